@@ -1,0 +1,120 @@
+"""Command line: ``python -m sdopt {make-model,run,bench} ...``.
+
+Problems with the user's input are raised as ``UserError`` and printed as one line
+(``sdopt: error: ...``) with exit status 2, never as a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import UserError
+
+DTYPES = ("fp16", "fp32")
+
+
+def _make_model(args: argparse.Namespace) -> None:
+    from .optim.modelgen import write_checkpoint
+
+    summary = write_checkpoint(args.size, args.out, seed=args.seed, dtype=args.dtype, progress=True)
+    print(
+        f"wrote {summary.path}: {args.size} SD1.5 checkpoint, {summary.param_count:,} parameters, "
+        f"{summary.file_bytes / 2**20:,.1f} MiB ({args.dtype}, seed {args.seed})"
+    )
+
+
+def _run(args: argparse.Namespace) -> None:
+    from .nodes.headless import run_workflow
+
+    outcome = run_workflow(
+        args.workflow,
+        comfyui=args.comfyui,
+        models=args.models,
+        overrides=args.set,
+        report_json=args.report_json,
+        out_dir=args.out,
+    )
+    print(outcome.report.markdown())
+    for image in outcome.images:
+        print(f"image: {image}")
+    if outcome.report_path is not None:
+        print(f"report: {outcome.report_path}")
+
+
+def _bench_attention(args: argparse.Namespace) -> None:
+    from .optim.bench import attention_table, bench_attention
+
+    rows = bench_attention(
+        tokens=args.tokens,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        device=args.device,
+        backends=args.backends,
+        repeats=args.repeats,
+    )
+    print(attention_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([row.to_dict() for row in rows], indent=2))
+        print(f"wrote {args.json}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdopt", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    make = commands.add_parser("make-model", help="write a deterministic random-weight SD1.5 checkpoint")
+    make.add_argument("size", choices=("tiny", "mini", "full"))
+    make.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", choices=DTYPES, default="fp16")
+    make.set_defaults(handler=_make_model)
+
+    run = commands.add_parser("run", help="run a ComfyUI workflow headless, with sdopt loaded, and profile it")
+    run.add_argument("workflow", type=Path, help="workflow JSON, UI or API format")
+    run.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    run.add_argument("--models", type=Path, help="extra folder searched for checkpoints (and models/<kind>/ under it)")
+    run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="CLASS_OR_TITLE.INPUT=VALUE",
+        help="override an input on every matching node; repeatable",
+    )
+    run.add_argument("--report-json", type=Path, help="write the JSON report here too")
+    run.add_argument("--out", type=Path, help="output folder for images and reports (default: ComfyUI's output)")
+    run.set_defaults(handler=_run)
+
+    bench = commands.add_parser("bench", help="micro-benchmarks")
+    bench_kinds = bench.add_subparsers(dest="bench", required=True)
+    attention = bench_kinds.add_parser("attention", help="time, peak memory and error of each attention backend")
+    attention.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096])
+    attention.add_argument("--heads", type=int, default=8)
+    attention.add_argument("--head-dim", type=int, default=64)
+    attention.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    attention.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    attention.add_argument("--backends", nargs="+", help="default: every backend available here")
+    attention.add_argument("--repeats", type=int, default=3)
+    attention.add_argument("--json", type=Path, help="write the rows as JSON")
+    attention.set_defaults(handler=_bench_attention)
+    return parser
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.handler(args)
+    except UserError as error:
+        print(f"sdopt: error: {error}", file=sys.stderr)
+        return 2
+    return 0

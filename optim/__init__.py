@@ -1,0 +1,1 @@
+"""Host-independent optimizations, profiler and benches: torch and diffusers only, never ComfyUI."""

@@ -1,0 +1,237 @@
+"""Measure sampling runs: section and step times, peak memory, and what each optimization did.
+
+Host-independent: a host (the ComfyUI nodes, a diffusers loop, the benches) drives a
+``SamplingRun`` through ``memory_scope``/``start``/``step``/``finish`` and gets a
+``RunResult``. Timing uses CUDA events on CUDA and ``perf_counter`` elsewhere; peak
+memory is the CUDA allocator's peak on CUDA and the process peak RSS (VmHWM) on CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+MEMORY_VRAM = "vram_allocated"
+MEMORY_RAM = "ram_rss"
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _peak_rss_bytes() -> int:
+    if _PROC_STATUS.exists():
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    # ru_maxrss is KiB on Linux and bytes on macOS, and it cannot be reset.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Lower VmHWM to the current RSS ("5" resets it); False where the kernel refuses."""
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    peak_bytes: int
+    kind: str
+    reserved_bytes: int | None = None
+    note: str = ""
+
+
+class PeakMemory:
+    """Peak memory on one device since ``reset()``: VRAM on CUDA, process RSS otherwise."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.kind = MEMORY_VRAM if self.device.type == "cuda" else MEMORY_RAM
+        self._note = ""
+
+    def reset(self) -> None:
+        if self.kind == MEMORY_VRAM:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif not _reset_peak_rss():
+            self._note = "peak RSS could not be reset; it covers the whole process"
+
+    def read(self) -> MemoryReading:
+        if self.kind == MEMORY_VRAM:
+            torch.cuda.synchronize(self.device)
+            return MemoryReading(
+                peak_bytes=torch.cuda.max_memory_allocated(self.device),
+                kind=self.kind,
+                reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+            )
+        return MemoryReading(peak_bytes=_peak_rss_bytes(), kind=self.kind, note=self._note)
+
+
+class Timeline:
+    """Marks on a device's timeline; ``intervals()`` gives the seconds between them.
+
+    On CUDA the marks are events on the current stream, so marking never blocks and
+    only ``intervals()`` synchronizes. Elsewhere they are ``perf_counter`` readings.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._marks: list = []
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def __len__(self) -> int:
+        return len(self._marks)
+
+    def intervals(self) -> list[float]:
+        if len(self._marks) < 2:
+            return []
+        if self.device.type == "cuda":
+            self._marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000.0 for a, b in zip(self._marks, self._marks[1:])]
+        return [b - a for a, b in zip(self._marks, self._marks[1:])]
+
+
+@contextlib.contextmanager
+def timed(device: torch.device | str, into: dict, name: str):
+    """Time a section: adds its seconds to ``into[name]``."""
+    timeline = Timeline(device)
+    timeline.mark()
+    try:
+        yield
+    finally:
+        timeline.mark()
+        into[name] = into.get(name, 0.0) + timeline.intervals()[0]
+
+
+@dataclass
+class OptimizationRecord:
+    """What an optimization node asked for and what actually ran."""
+
+    node: str
+    requested: str
+    active: str
+    note: str = ""
+
+
+@dataclass
+class RunResult:
+    label: str
+    sampler_total_s: float
+    first_step_s: float
+    steady_it_per_s: float
+    steps: list[dict]
+    peak_memory_bytes: int
+    memory_kind: str
+    peak_reserved_bytes: int | None = None
+    memory_note: str = ""
+    optimizations: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def steady_it_per_s(step_seconds: list[float]) -> float:
+    """Iterations per second after the warm-up step; with one step, that step's rate."""
+    steady = step_seconds[1:] or step_seconds
+    total = sum(steady)
+    return len(steady) / total if total > 0 else 0.0
+
+
+class SamplingRun:
+    """One sampling run: a memory scope around a timed sampler with per-step marks.
+
+    Use ``with run.memory_scope():`` around everything whose memory counts (model load
+    included), then ``start()``, ``step()`` after each sampler step, and ``finish()``.
+    The sampler total runs from ``start()`` to ``finish()``; step ``i`` runs from the
+    previous mark to the ``i``-th ``step()``, so the total is never below the step sum.
+    """
+
+    def __init__(self, label: str, device: torch.device | str, optimizations=()):
+        self.label = label
+        self.device = torch.device(device)
+        self.memory = PeakMemory(self.device)
+        self.optimizations: list[OptimizationRecord] = [OptimizationRecord(**dict(o)) for o in optimizations]
+        self._timeline = Timeline(self.device)
+        self._step_marks = 0
+        self._reading: MemoryReading | None = None
+        self._finished = False
+
+    @contextlib.contextmanager
+    def memory_scope(self):
+        self.memory.reset()
+        token = _active_run.set(self)
+        try:
+            yield self
+        finally:
+            _active_run.reset(token)
+            self._reading = self.memory.read()
+
+    def start(self) -> None:
+        self._timeline.mark()
+
+    def step(self) -> None:
+        self._timeline.mark()
+        self._step_marks += 1
+
+    def finish(self) -> None:
+        self._timeline.mark()
+        self._finished = True
+
+    def note(self, node: str, requested: str, active: str, note: str = "") -> None:
+        """Record or update (by node and requested) what an optimization did in this run."""
+        for record in self.optimizations:
+            if record.node == node and record.requested == requested:
+                record.active, record.note = active, note
+                return
+        self.optimizations.append(OptimizationRecord(node, requested, active, note))
+
+    def result(self) -> RunResult:
+        if not self._finished:
+            raise RuntimeError(f"run {self.label!r} has not finished")
+        intervals = self._timeline.intervals()
+        steps = intervals[: self._step_marks]
+        reading = self._reading or self.memory.read()
+        return RunResult(
+            label=self.label,
+            sampler_total_s=sum(intervals),
+            first_step_s=steps[0] if steps else 0.0,
+            steady_it_per_s=steady_it_per_s(steps),
+            steps=[{"index": i, "seconds": s} for i, s in enumerate(steps)],
+            peak_memory_bytes=reading.peak_bytes,
+            memory_kind=reading.kind,
+            peak_reserved_bytes=reading.reserved_bytes,
+            memory_note=reading.note,
+            optimizations=[asdict(o) for o in self.optimizations],
+        )
+
+
+_active_run: contextvars.ContextVar[SamplingRun | None] = contextvars.ContextVar("sdopt_active_run", default=None)
+
+
+def active_run() -> SamplingRun | None:
+    """The run whose memory scope is open in this context, if any."""
+    return _active_run.get()
+
+
+def note_optimization(node: str, requested: str, active: str, note: str = "") -> None:
+    """Tell the active run, if one is being profiled, what an optimization actually did."""
+    run = active_run()
+    if run is not None:
+        run.note(node, requested, active, note)
