@@ -1,10 +1,14 @@
-"""ComfyUI adapters: every node class of the pack, and the host wiring they share."""
-from .profiler import SDOptProfiler, SDOptProfileReport
+"""ComfyUI adapters: the node classes and the host wiring they share.
 
-_NODES = {
-    "SDOptProfiler": (SDOptProfiler, "sdopt Profiler"),
-    "SDOptProfileReport": (SDOptProfileReport, "sdopt Profile Report"),
-}
+Node registrations live in ``registry.py`` (add new nodes to its ``_NODES``). They are
+imported on first access, because node modules import ComfyUI at module level while
+``headless`` must be importable before it boots ComfyUI.
+"""
 
-NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}
-NODE_DISPLAY_NAME_MAPPINGS = {name: title for name, (_, title) in _NODES.items()}
+
+def __getattr__(name):
+    if name in ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"):
+        from . import registry
+
+        return getattr(registry, name)
+    raise AttributeError(name)

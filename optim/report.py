@@ -26,6 +26,7 @@ class Report:
     comfyui: str | None = None
     runs: list[dict] = field(default_factory=list)
     nodes: list[dict] = field(default_factory=list)
+    optimizations: list[dict] = field(default_factory=list)
     torch: str = torch.__version__
 
     def to_dict(self) -> dict:
@@ -36,6 +37,7 @@ class Report:
             "comfyui": self.comfyui,
             "runs": self.runs,
             "nodes": self.nodes,
+            "optimizations": self.optimizations,
         }
 
     @classmethod
@@ -47,6 +49,7 @@ class Report:
             comfyui=data.get("comfyui"),
             runs=list(data.get("runs", [])),
             nodes=list(data.get("nodes", [])),
+            optimizations=list(data.get("optimizations", [])),
             torch=data["torch"],
         )
 
@@ -88,11 +91,12 @@ def render_markdown(report: Report) -> str:
                 f"{run['steady_it_per_s']:.2f} | {run['sampler_total_s']:.3f} | "
                 f"{_mib(run['peak_memory_bytes'])} ({_memory_label(run['memory_kind'])}) |"
             )
-        optimizations = [(run["label"], o) for run in report.runs for o in run.get("optimizations", [])]
-        if optimizations:
-            lines += ["", "| run | optimization | requested | active | note |", "|---|---|---|---|---|"]
-            for label, o in optimizations:
-                lines.append(f"| {label} | {o['node']} | {o['requested']} | {o['active']} | {o['note']} |")
+    optimizations = [(run["label"], o) for run in report.runs for o in run.get("optimizations", [])]
+    optimizations += [("(outside sampling)", o) for o in report.optimizations]
+    if optimizations:
+        lines += ["", "| run | optimization | requested | active | note |", "|---|---|---|---|---|"]
+        for label, o in optimizations:
+            lines.append(f"| {label} | {o['node']} | {o['requested']} | {o['active']} | {o['note']} |")
     if report.nodes:
         lines += ["", "| node | class | seconds | peak memory MiB |", "|---|---|---:|---:|"]
         for node in report.nodes:

@@ -1,0 +1,81 @@
+"""Per-node wall time and peak memory for a prompt, through ComfyUI's progress registry.
+
+ComfyUI (since ≈0.3.45) tells every registered ``ProgressHandler`` when a node starts
+and finishes. Older versions have no registry: ``install_node_timer`` then returns
+False and reports simply carry no per-node list. The registry is replaced at the
+start of every prompt, so the timer is installed per prompt: by the headless runner
+as soon as a prompt starts, and by ``SDOptProfiler`` when it runs in the browser
+(there it sees the nodes that run after it).
+"""
+from __future__ import annotations
+
+import time
+
+from ..optim.profiler import PeakMemory
+
+try:
+    from comfy_execution.progress import ProgressHandler, add_progress_handler, get_progress_state
+except ImportError:
+    ProgressHandler = None
+
+HANDLER_NAME = "sdopt.node_timing"
+
+
+def _device():
+    import comfy.model_management
+
+    return comfy.model_management.get_torch_device()
+
+
+if ProgressHandler is not None:
+
+    class NodeTimingHandler(ProgressHandler):
+        """Records each executed node's wall time and peak memory (cached nodes never start)."""
+
+        def __init__(self):
+            super().__init__(HANDLER_NAME)
+            self.memory = PeakMemory(_device())
+            self._started: dict[str, float] = {}
+            self.nodes: list[dict] = []
+
+        def start_handler(self, node_id, state, prompt_id):
+            self.memory.reset()
+            self._started[node_id] = time.perf_counter()
+
+        def finish_handler(self, node_id, state, prompt_id):
+            started = self._started.pop(node_id, None)
+            if started is None:
+                return
+            node = self.registry.dynprompt.get_node(node_id) if self.registry is not None else {}
+            self.nodes.append(
+                {
+                    "id": str(node_id),
+                    "class_type": node.get("class_type", "?"),
+                    "seconds": time.perf_counter() - started,
+                    "peak_memory_bytes": self.memory.read().peak_bytes,
+                }
+            )
+
+
+def _handler(prompt_id: str):
+    if ProgressHandler is None:
+        return None
+    registry = get_progress_state()
+    if registry.prompt_id != prompt_id:
+        return None
+    return registry.handlers.get(HANDLER_NAME)
+
+
+def install_node_timer(prompt_id: str) -> bool:
+    """Start timing the nodes of the running prompt; False where ComfyUI cannot tell us."""
+    if ProgressHandler is None or get_progress_state().prompt_id != prompt_id:
+        return False
+    if _handler(prompt_id) is None:
+        add_progress_handler(NodeTimingHandler())
+    return True
+
+
+def node_timings(prompt_id: str) -> list[dict]:
+    """The nodes of this prompt finished so far, in execution order."""
+    handler = _handler(prompt_id)
+    return list(handler.nodes) if handler is not None else []

@@ -1,0 +1,203 @@
+"""UI→API conversion with fixture node definitions (captured from ComfyUI 0.3.64), and --set."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from sdopt.errors import UserError
+from sdopt.workflow import (
+    apply_overrides,
+    is_api_format,
+    is_ui_format,
+    load_workflow,
+    parse_override,
+    ui_to_api,
+    validation_message,
+    widget_names,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = Path(__file__).parent / "fixtures"
+BASELINE = ROOT / "workflows" / "sd15_baseline.json"
+
+
+@pytest.fixture(scope="module")
+def definitions():
+    return json.loads((FIXTURES / "object_info.json").read_text())
+
+
+@pytest.fixture()
+def baseline():
+    return load_workflow(BASELINE)
+
+
+def test_widget_names_follow_input_order_and_skip_sockets(definitions):
+    assert widget_names(definitions["KSampler"]) == ["seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"]
+    assert widget_names(definitions["SDOptProfileReport"]) == ["filename_prefix"]
+
+
+def test_baseline_converts_to_the_api_prompt(baseline, definitions):
+    assert is_ui_format(baseline) and not is_api_format(baseline)
+    prompt = ui_to_api(baseline, definitions)
+    assert is_api_format(prompt)
+    assert {n["class_type"] for n in prompt.values()} == {
+        "CheckpointLoaderSimple",
+        "SDOptProfiler",
+        "CLIPTextEncode",
+        "EmptyLatentImage",
+        "KSampler",
+        "VAEDecode",
+        "SaveImage",
+        "SDOptProfileReport",
+    }, "the Note node must not reach the server"
+    ksampler = prompt["3"]["inputs"]
+    # The "fixed" seed-control value after the seed is skipped, so steps gets 20, not "fixed".
+    assert ksampler == {
+        "seed": 42,
+        "steps": 20,
+        "cfg": 7.0,
+        "sampler_name": "euler",
+        "scheduler": "normal",
+        "denoise": 1.0,
+        "model": ["10", 0],
+        "positive": ["6", 0],
+        "negative": ["7", 0],
+        "latent_image": ["5", 0],
+    }
+    assert prompt["10"]["inputs"] == {"label": "baseline", "model": ["4", 0]}
+    assert prompt["8"]["inputs"] == {"samples": ["3", 0], "vae": ["4", 2]}
+    assert prompt["11"]["inputs"] == {"filename_prefix": "sdopt/profile", "images": ["8", 0]}
+    assert prompt["6"]["_meta"]["title"] == "Positive prompt"
+
+
+def _add_node(workflow, node_id, node_type, inputs=(), widgets=(), mode=0):
+    workflow["nodes"].append(
+        {
+            "id": node_id,
+            "type": node_type,
+            "mode": mode,
+            "inputs": [{"name": n, "type": t, "link": link} for n, t, link in inputs],
+            "outputs": [],
+            "widgets_values": list(widgets),
+        }
+    )
+
+
+def _relink(workflow, link_id, source, slot, target, target_slot, link_type):
+    workflow["links"] = [l for l in workflow["links"] if l[0] != link_id]
+    workflow["links"].append([link_id, source, slot, target, target_slot, link_type])
+    for node in workflow["nodes"]:
+        if node["id"] == target:
+            node["inputs"][target_slot]["link"] = link_id
+
+
+def test_reroute_is_followed(baseline, definitions):
+    _add_node(baseline, 50, "Reroute", inputs=[("", "*", 100)])
+    baseline["links"].append([100, 4, 2, 50, 0, "VAE"])
+    _relink(baseline, 9, 50, 0, 8, 1, "VAE")
+    assert ui_to_api(baseline, definitions)["8"]["inputs"]["vae"] == ["4", 2]
+
+
+def test_bypassed_node_passes_its_input_through(baseline, definitions):
+    profiler = next(n for n in baseline["nodes"] if n["id"] == 10)
+    profiler["mode"] = 4
+    prompt = ui_to_api(baseline, definitions)
+    assert "10" not in prompt
+    assert prompt["3"]["inputs"]["model"] == ["4", 0]
+
+
+def test_muted_node_is_dropped_with_its_links(baseline, definitions):
+    next(n for n in baseline["nodes"] if n["id"] == 9)["mode"] = 2
+    prompt = ui_to_api(baseline, definitions)
+    assert "9" not in prompt
+
+
+def test_primitive_value_replaces_the_widget(baseline, definitions):
+    _add_node(baseline, 60, "PrimitiveNode", widgets=[7, "fixed"])
+    ksampler = next(n for n in baseline["nodes"] if n["id"] == 3)
+    ksampler["inputs"].append({"name": "steps", "type": "INT", "link": 200, "widget": {"name": "steps"}})
+    baseline["links"].append([200, 60, 0, 3, 4, "INT"])
+    assert ui_to_api(baseline, definitions)["3"]["inputs"]["steps"] == 7
+
+
+def test_unknown_node_type_is_one_line(baseline, definitions):
+    _add_node(baseline, 70, "FancyUpscaler")
+    with pytest.raises(UserError, match=r"unknown node type FancyUpscaler: install the custom node pack") as error:
+        ui_to_api(baseline, definitions)
+    assert "\n" not in str(error.value)
+
+
+def test_overrides_match_class_and_title(baseline, definitions):
+    prompt = ui_to_api(baseline, definitions)
+    apply_overrides(prompt, ["KSampler.steps=2", "EmptyLatentImage.width=128", "Negative prompt.text=ugly"], definitions)
+    assert prompt["3"]["inputs"]["steps"] == 2
+    assert prompt["5"]["inputs"]["width"] == 128
+    assert prompt["7"]["inputs"]["text"] == "ugly"
+    assert prompt["6"]["inputs"]["text"] != "ugly"
+    apply_overrides(prompt, ["CLIPTextEncode.text=same for both"], definitions)
+    assert prompt["6"]["inputs"]["text"] == prompt["7"]["inputs"]["text"] == "same for both"
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("A.b=2", 2), ("A.b=0.5", 0.5), ("A.b=true", True), ("A.b=euler", "euler"), ("My node.x=a=b", "a=b")],
+)
+def test_override_values_are_json_or_text(text, value):
+    assert parse_override(text)[2] == value
+
+
+@pytest.mark.parametrize(
+    "override,pattern",
+    [
+        ("KSamplr.steps=2", r"matches no node: no node has class or title 'KSamplr'"),
+        ("KSampler.stepz=2", r"KSampler has no input 'stepz'"),
+        ("steps=2", r"is not CLASS_OR_TITLE.INPUT=VALUE"),
+        ("KSampler.steps", r"is not CLASS_OR_TITLE.INPUT=VALUE"),
+    ],
+)
+def test_bad_overrides_are_one_line_errors(baseline, definitions, override, pattern):
+    prompt = ui_to_api(baseline, definitions)
+    before = copy.deepcopy(prompt)
+    with pytest.raises(UserError, match=pattern) as error:
+        apply_overrides(prompt, [override], definitions)
+    assert "\n" not in str(error.value)
+    assert prompt == before
+
+
+def test_invalid_json_names_the_position(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"nodes": [,]}')
+    with pytest.raises(UserError, match=r"bad.json is not valid JSON \(line 1, column 12"):
+        load_workflow(bad)
+
+
+def test_missing_and_foreign_files_are_rejected(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_workflow(tmp_path / "nope.json")
+    other = tmp_path / "other.json"
+    other.write_text('{"hello": 1}')
+    with pytest.raises(UserError, match="neither a ComfyUI UI workflow nor an API prompt"):
+        load_workflow(other)
+
+
+def test_missing_checkpoint_suggests_make_model():
+    reason = {
+        "type": "value_not_in_list",
+        "message": "Value not in list",
+        "details": "ckpt_name: 'sdopt-mini-sd15.safetensors' not in []",
+        "extra_info": {"input_name": "ckpt_name", "received_value": "sdopt-mini-sd15.safetensors"},
+    }
+    message = validation_message("4", "CheckpointLoaderSimple", reason, ["/comfy/models/checkpoints"])
+    assert message.startswith("missing model file 'sdopt-mini-sd15.safetensors'")
+    assert "python -m sdopt make-model mini --out /comfy/models/checkpoints/sdopt-mini-sd15.safetensors" in message
+
+
+def test_other_validation_errors_name_node_and_input():
+    reason = {
+        "type": "value_smaller_than_min",
+        "message": "Value 0 smaller than min of 1",
+        "details": "steps",
+        "extra_info": {"input_name": "steps", "received_value": 0},
+    }
+    assert validation_message("3", "KSampler", reason, []) == "node 3 KSampler.steps: Value 0 smaller than min of 1: steps"

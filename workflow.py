@@ -1,0 +1,207 @@
+"""Workflow files: read UI or API format, convert UI to API with node definitions, apply --set.
+
+Pure Python, no ComfyUI import: node definitions come in ComfyUI's ``/object_info``
+shape (``{class_type: {"input": {"required": {...}, "optional": {...}}}}``), which the
+headless runner builds from the live node classes and the unit tests from fixtures.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UserError
+
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+SEED_CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+# Frontend-only nodes: they never reach the server.
+NOTE_TYPES = {"Note", "MarkdownNote"}
+REROUTE_TYPE = "Reroute"
+PRIMITIVE_TYPE = "PrimitiveNode"
+MODE_MUTED = 2
+MODE_BYPASSED = 4
+_UNCONNECTED = object()
+
+
+def load_workflow(path: str | Path) -> dict:
+    """Read a workflow file; bad paths and bad JSON raise a one-line ``UserError``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"workflow file {path} does not exist: check the path")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise UserError(
+            f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}): "
+            "export the workflow again from ComfyUI"
+        ) from None
+    if not isinstance(data, dict) or not (is_ui_format(data) or is_api_format(data)):
+        raise UserError(f"{path} is neither a ComfyUI UI workflow nor an API prompt: export it again from ComfyUI")
+    return data
+
+
+def is_ui_format(data: dict) -> bool:
+    return isinstance(data.get("nodes"), list) and isinstance(data.get("links"), list)
+
+
+def is_api_format(data: dict) -> bool:
+    return bool(data) and all(isinstance(node, dict) and "class_type" in node for node in data.values())
+
+
+def _is_widget(spec) -> bool:
+    """Whether an input spec is drawn as a widget (and so has a slot in widgets_values)."""
+    kind = spec[0] if isinstance(spec, (list, tuple)) and spec else spec
+    options = spec[1] if isinstance(spec, (list, tuple)) and len(spec) > 1 and isinstance(spec[1], dict) else {}
+    if options.get("forceInput"):
+        return False
+    return isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES
+
+
+def widget_names(definition: dict) -> list[str]:
+    inputs = definition.get("input", {})
+    specs = {**inputs.get("required", {}), **inputs.get("optional", {})}
+    order = definition.get("input_order")
+    names = (order.get("required", []) + order.get("optional", [])) if order else list(specs)
+    return [name for name in names if name in specs and _is_widget(specs[name])]
+
+
+def _widget_inputs(node: dict, definition: dict) -> dict:
+    values = node.get("widgets_values") or []
+    if isinstance(values, dict):
+        return {name: values[name] for name in widget_names(definition) if name in values}
+    inputs, position = {}, 0
+    for name in widget_names(definition):
+        if position >= len(values):
+            break
+        inputs[name] = values[position]
+        position += 1
+        # Seed widgets carry a hidden "control after generate" value right after them.
+        if position < len(values) and isinstance(values[position], str) and values[position] in SEED_CONTROL_VALUES:
+            position += 1
+    return inputs
+
+
+@dataclass(frozen=True)
+class _Link:
+    source: int
+    slot: int
+    type: str
+
+
+def ui_to_api(workflow: dict, definitions: dict) -> dict:
+    """Convert a UI-format workflow to an API prompt, as the ComfyUI frontend does on queue."""
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    links = {}
+    for entry in workflow["links"]:
+        if isinstance(entry, dict):
+            links[entry["id"]] = _Link(entry["origin_id"], entry["origin_slot"], entry["type"])
+        else:
+            link_id, source, slot, _target, _target_slot, link_type = entry[:6]
+            links[link_id] = _Link(source, slot, link_type)
+
+    unknown = sorted(
+        {
+            node["type"]
+            for node in nodes.values()
+            if node["type"] not in definitions and node["type"] not in NOTE_TYPES | {REROUTE_TYPE, PRIMITIVE_TYPE}
+        }
+    )
+    if unknown:
+        raise UserError(unknown_types_message(unknown))
+
+    def resolve(link_id: int):
+        """Follow reroutes and bypassed nodes back to a real output ``[id, slot]``, or a primitive's value."""
+        link = links[link_id]
+        source = nodes[link.source]
+        if source["type"] == REROUTE_TYPE:
+            upstream = source["inputs"][0].get("link")
+            return resolve(upstream) if upstream is not None else _UNCONNECTED
+        if source["type"] == PRIMITIVE_TYPE:
+            return (source.get("widgets_values") or [None])[0]
+        if source.get("mode") == MODE_BYPASSED:
+            for entry in source.get("inputs", []):
+                if entry.get("link") is not None and entry.get("type") == link.type:
+                    return resolve(entry["link"])
+            return _UNCONNECTED
+        if source.get("mode") == MODE_MUTED:
+            return _UNCONNECTED
+        return [str(link.source), link.slot]
+
+    prompt = {}
+    for node_id, node in nodes.items():
+        if node["type"] not in definitions or node.get("mode") in (MODE_MUTED, MODE_BYPASSED):
+            continue
+        inputs = _widget_inputs(node, definitions[node["type"]])
+        for entry in node.get("inputs", []):
+            if entry.get("link") is None:
+                continue
+            value = resolve(entry["link"])
+            if value is not _UNCONNECTED:
+                inputs[entry["name"]] = value
+        api_node = {"class_type": node["type"], "inputs": inputs}
+        if node.get("title"):
+            api_node["_meta"] = {"title": node["title"]}
+        prompt[str(node_id)] = api_node
+    return prompt
+
+
+def unknown_types_message(types: list[str]) -> str:
+    listed = ", ".join(types)
+    return (
+        f"unknown node type{'s' if len(types) > 1 else ''} {listed}: install the custom node pack that "
+        "provides it into ComfyUI (the runner loads ComfyUI's core nodes and sdopt only)"
+    )
+
+
+def parse_override(text: str) -> tuple[str, str, object]:
+    """Split ``TARGET.INPUT=VALUE``; VALUE is read as JSON when it parses, else kept as text."""
+    target_input, sep, raw = text.partition("=")
+    target, dot, name = target_input.rpartition(".")
+    if not sep or not dot or not target or not name:
+        raise UserError(f"--set {text!r} is not CLASS_OR_TITLE.INPUT=VALUE: write e.g. --set KSampler.steps=2")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    return target, name, value
+
+
+def apply_overrides(prompt: dict, overrides: list[str], definitions: dict) -> dict:
+    """Set inputs on every node whose class or title matches; unmatched overrides raise ``UserError``."""
+    for text in overrides:
+        target, name, value = parse_override(text)
+        matched = [
+            node
+            for node in prompt.values()
+            if node["class_type"] == target or node.get("_meta", {}).get("title") == target
+        ]
+        if not matched:
+            raise UserError(
+                f"--set {text!r} matches no node: no node has class or title {target!r} "
+                f"(classes here: {', '.join(sorted({n['class_type'] for n in prompt.values()}))})"
+            )
+        for node in matched:
+            definition = definitions.get(node["class_type"], {}).get("input", {})
+            known = {**definition.get("required", {}), **definition.get("optional", {})}
+            if name not in known:
+                raise UserError(
+                    f"--set {text!r}: {node['class_type']} has no input {name!r} "
+                    f"(its inputs: {', '.join(known) or 'none'})"
+                )
+            node["inputs"][name] = value
+    return prompt
+
+
+def validation_message(node_id: str, class_type: str, reason: dict, checkpoint_folders: list[str]) -> str:
+    """One line for a ComfyUI validation error; a missing checkpoint gets the make-model fix."""
+    info = reason.get("extra_info", {})
+    name, value = info.get("input_name", ""), info.get("received_value")
+    if reason["type"] == "value_not_in_list" and name == "ckpt_name":
+        target = Path(checkpoint_folders[0]) / str(value) if checkpoint_folders else value
+        return (
+            f"missing model file {value!r} (node {node_id} {class_type}.{name}): it is not in "
+            f"{', '.join(checkpoint_folders) or 'any checkpoints folder'}; create it with "
+            f"`python -m sdopt make-model mini --out {target}` or point --models at the folder that has it"
+        )
+    where = f"node {node_id} {class_type}" + (f".{name}" if name else "")
+    return f"{where}: {reason['message']}: {reason['details']}".rstrip(": ")
