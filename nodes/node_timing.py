@@ -36,7 +36,13 @@ if ProgressHandler is not None:
             super().__init__(HANDLER_NAME)
             self.memory = PeakMemory(_device())
             self._started: dict[str, float] = {}
+            self._class_types = {}
             self.nodes: list[dict] = []
+
+        def set_registry(self, registry):
+            self._class_types = {
+                node_id: node["class_type"] for node_id, node in registry.dynprompt.original_prompt.items()
+            }
 
         def start_handler(self, node_id, state, prompt_id):
             self.memory.reset()
@@ -46,11 +52,10 @@ if ProgressHandler is not None:
             started = self._started.pop(node_id, None)
             if started is None:
                 return
-            node = self.registry.dynprompt.get_node(node_id) if self.registry is not None else {}
             self.nodes.append(
                 {
                     "id": str(node_id),
-                    "class_type": node.get("class_type", "?"),
+                    "class_type": self._class_types.get(node_id, "?"),
                     "seconds": time.perf_counter() - started,
                     "peak_memory_bytes": self.memory.read().peak_bytes,
                 }

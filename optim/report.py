@@ -112,6 +112,7 @@ def render_chart(report: Report, path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,6 +122,7 @@ def render_chart(report: Report, path: str | Path) -> Path:
             [s["index"] for s in run["steps"]], [s["seconds"] for s in run["steps"]], marker="o", label=run["label"]
         )
     steps_ax.set(title="Time per sampler step", xlabel="step", ylabel="seconds")
+    steps_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if report.runs:
         steps_ax.legend(fontsize="small")
     labels = [run["label"] for run in report.runs]
