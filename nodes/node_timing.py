@@ -4,8 +4,10 @@ ComfyUI (since ≈0.3.45) tells every registered ``ProgressHandler`` when a node
 and finishes. Older versions have no registry: ``install_node_timer`` then returns
 False and reports simply carry no per-node list. The registry is replaced at the
 start of every prompt, so the timer is installed per prompt: by the headless runner
-as soon as a prompt starts, and by ``SDOptProfiler`` when it runs in the browser
-(there it sees the nodes that run after it).
+as soon as a prompt starts, and, in the browser, by ``SDOptProfiler`` when it runs and
+by the profiled sampler when that starts (so a cached profiler node still gets one).
+Installed mid-prompt, it sees the node that is executing from that moment on, and
+every node after it.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ if ProgressHandler is not None:
                 node_id: node["class_type"] for node_id, node in registry.dynprompt.original_prompt.items()
             }
 
-        def start_handler(self, node_id, state, prompt_id):
+        def start_handler(self, node_id, state=None, prompt_id=None):
             self.memory.reset()
             self._started[node_id] = time.perf_counter()
 
@@ -71,12 +73,18 @@ def _handler(prompt_id: str):
     return registry.handlers.get(HANDLER_NAME)
 
 
-def install_node_timer(prompt_id: str) -> bool:
-    """Start timing the nodes of the running prompt; False where ComfyUI cannot tell us."""
+def install_node_timer(prompt_id: str, executing_node: str | None = None) -> bool:
+    """Start timing the nodes of the running prompt, ``executing_node`` from now on.
+
+    False where this ComfyUI cannot tell us when nodes start and finish.
+    """
     if ProgressHandler is None or get_progress_state().prompt_id != prompt_id:
         return False
     if _handler(prompt_id) is None:
-        add_progress_handler(NodeTimingHandler())
+        handler = NodeTimingHandler()
+        add_progress_handler(handler)
+        if executing_node is not None:
+            handler.start_handler(executing_node)
     return True
 
 

@@ -18,7 +18,7 @@ import folder_paths
 from ..optim.profiler import SamplingRun, active_run
 from ..optim.report import Report, device_name
 from .node_timing import install_node_timer, node_timings
-from .records import current_prompt_id, file_run, optimization_records, prompt_notes, prompt_runs
+from .records import current_node_id, current_prompt_id, file_run, optimization_records, prompt_notes, prompt_runs
 
 WRAPPER_KEY = "sdopt.profiler"
 
@@ -35,6 +35,7 @@ def _outer_sample_wrapper(label: str):
     def outer_sample(executor, *args, **kwargs):
         guider = executor.class_obj
         prompt_id = current_prompt_id()
+        install_node_timer(prompt_id, current_node_id())
         run = SamplingRun(label, guider.model_patcher.load_device, optimization_records(guider.model_options))
         with run.memory_scope():
             output = executor(*args, **kwargs)
@@ -93,17 +94,24 @@ class SDOptProfiler:
         label = label.strip()
         if not label:
             raise ValueError("SDOptProfiler: 'label' is empty: give the runs a name, e.g. 'baseline'")
-        install_node_timer(current_prompt_id())
+        install_node_timer(current_prompt_id(), current_node_id())
         return (attach_profiler(model.clone(), label),)
 
 
-def build_report(prompt_id: str) -> Report:
+def build_report(prompt_id: str, prompt: dict | None = None) -> Report:
+    note = None
+    if not prompt_runs(prompt_id) and any(n.get("class_type") == "SDOptProfiler" for n in (prompt or {}).values()):
+        note = (
+            "No sampling ran in this prompt: ComfyUI reused cached results. "
+            "Change the seed or another sampler input to profile again."
+        )
     return Report(
         device=device_name(comfy.model_management.get_torch_device()),
         comfyui=_comfyui_version(),
         runs=prompt_runs(prompt_id),
         nodes=node_timings(prompt_id),
         optimizations=prompt_notes(prompt_id),
+        note=note,
     )
 
 
@@ -128,19 +136,20 @@ class SDOptProfileReport:
                 "images": ("IMAGE", {"tooltip": "Connect after VAEDecode so the report covers the whole run."}),
                 "latent": ("LATENT", {"tooltip": "Or connect the sampler's LATENT."}),
             },
+            "hidden": {"prompt": "PROMPT"},
         }
 
     @classmethod
     def IS_CHANGED(cls, **kwargs):
         return float("nan")
 
-    def report(self, filename_prefix, images=None, latent=None):
+    def report(self, filename_prefix, images=None, latent=None, prompt=None):
         if images is None and latent is None:
             raise ValueError(
                 "SDOptProfileReport: connect 'images' (from VAEDecode) or 'latent' (from the sampler) "
                 "so the report runs after sampling"
             )
-        report = build_report(current_prompt_id())
+        report = build_report(current_prompt_id(), prompt)
         output_dir = folder_paths.get_output_directory()
         folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, output_dir)
         base = f"{name}_{counter:05}_"

@@ -33,19 +33,29 @@ def optimization_records(model_options: dict) -> list[dict]:
     return [dict(r) for r in model_options.get(OPTIONS_KEY, [])]
 
 
-def current_prompt_id() -> str:
-    """The id of the prompt being executed, from ComfyUI's execution context where it has one."""
+def _executing_context():
     try:
         from comfy_execution.utils import get_executing_context
     except ImportError:
-        get_executing_context = None
-    context = get_executing_context() if get_executing_context else None
+        return None
+    return get_executing_context()
+
+
+def current_prompt_id() -> str:
+    """The id of the prompt being executed, from ComfyUI's execution context where it has one."""
+    context = _executing_context()
     if context is not None:
         return context.prompt_id
     from server import PromptServer
 
     instance = getattr(PromptServer, "instance", None)
     return str(getattr(instance, "last_prompt_id", None) or "")
+
+
+def current_node_id() -> str | None:
+    """The id of the node being executed, where this ComfyUI tells it."""
+    context = _executing_context()
+    return context.node_id if context is not None else None
 
 
 def _bucket(store: OrderedDict, prompt_id: str) -> list[dict]:

@@ -27,6 +27,7 @@ class Report:
     runs: list[dict] = field(default_factory=list)
     nodes: list[dict] = field(default_factory=list)
     optimizations: list[dict] = field(default_factory=list)
+    note: str | None = None
     torch: str = torch.__version__
 
     def to_dict(self) -> dict:
@@ -38,6 +39,7 @@ class Report:
             "runs": self.runs,
             "nodes": self.nodes,
             "optimizations": self.optimizations,
+            "note": self.note,
         }
 
     @classmethod
@@ -50,6 +52,7 @@ class Report:
             runs=list(data.get("runs", [])),
             nodes=list(data.get("nodes", [])),
             optimizations=list(data.get("optimizations", [])),
+            note=data.get("note"),
             torch=data["torch"],
         )
 
@@ -78,6 +81,8 @@ def _memory_label(kind: str) -> str:
 
 def render_markdown(report: Report) -> str:
     lines = [f"sdopt profile: device {report.device}, torch {report.torch}, ComfyUI {report.comfyui or '-'}", ""]
+    if report.note:
+        lines += [report.note, ""]
     if not report.runs:
         lines.append("No sampling run was profiled (is SDOptProfiler on the MODEL path?).")
     else:

@@ -15,6 +15,8 @@ function showReport(node, text) {
     // The table is output, not input: keep it out of the saved workflow and the prompt.
     widget.serialize = false;
     widget.options = { ...widget.options, serialize: false };
+    // Grow with the table instead of hiding it behind a scrollbar next to the chart.
+    widget.options.getMinHeight = () => String(widget.value ?? "").split("\n").length * 15 + 16;
   }
   widget.value = text;
   requestAnimationFrame(() => {

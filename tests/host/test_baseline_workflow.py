@@ -55,6 +55,7 @@ def test_report_reruns_on_every_queue(comfy_host, baseline):
     assert again.report_path != baseline.report_path
     # Every node but the report is cached, so the report of the second queue has no run of its own.
     assert again.report.runs == []
+    assert "ComfyUI reused cached results" in again.report.note
     assert [node["class_type"] for node in again.report.nodes] == ["SDOptProfileReport"]
 
 
