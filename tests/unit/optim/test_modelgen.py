@@ -1,0 +1,289 @@
+"""optim.modelgen: determinism, the LDM key layout (checked by diffusers' own converters), manifests, CLI."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers.loaders.single_file_utils import (
+    convert_ldm_clip_checkpoint,
+    convert_ldm_unet_checkpoint,
+    convert_ldm_vae_checkpoint,
+    create_unet_diffusers_config_from_ldm,
+    create_vae_diffusers_config_from_ldm,
+)
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from sdopt import cli
+from sdopt.errors import UserError
+from sdopt.optim import modelgen
+from sdopt.optim.modelgen import (
+    TEXT_ENCODER_PREFIX,
+    UNET_PREFIX,
+    VAE_PREFIX,
+    checkpoint_config,
+    checkpoint_specs,
+    clip_text_specs,
+    diffusers_unet_config,
+    diffusers_vae_config,
+    param_count,
+    transformers_clip_text_config,
+    unet_ldm_specs,
+    vae_ldm_specs,
+    write_checkpoint,
+)
+
+# ComfyUI 0.3.64's own SD1.5 classes give these (docs: comfyui-host-notes.md, section I).
+SD15_TENSORS_AND_PARAMS = {
+    UNET_PREFIX: (686, 859_520_964),
+    TEXT_ENCODER_PREFIX: (196, 123_060_480),
+    VAE_PREFIX: (248, 83_653_863),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> dict[str, torch.Tensor]:
+    path = tmp_path_factory.mktemp("tiny") / "tiny.safetensors"
+    write_checkpoint("tiny", path, seed=0, dtype="fp32")
+    return load_file(path)
+
+
+def _part(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {key: value for key, value in state_dict.items() if key.startswith(prefix)}
+
+
+def _ldm_original_config(size: str) -> dict:
+    """The LDM yaml (v1-inference.yaml layout) that the sdopt config stands for."""
+    cfg = checkpoint_config(size)
+    unet, vae = cfg.unet, cfg.vae
+    return {
+        "model": {
+            "params": {
+                "scale_factor": vae.scaling_factor,
+                "unet_config": {
+                    "params": {
+                        "in_channels": unet.in_channels,
+                        "out_channels": unet.out_channels,
+                        "model_channels": unet.model_channels,
+                        "attention_resolutions": [2**level for level in unet.attention_levels],
+                        "num_res_blocks": unet.num_res_blocks,
+                        "channel_mult": list(unet.channel_mult),
+                        "num_heads": unet.num_heads,
+                        "transformer_depth": unet.transformer_depth,
+                        "context_dim": unet.context_dim,
+                        "use_linear_in_transformer": False,
+                    }
+                },
+                "first_stage_config": {
+                    "params": {
+                        "ddconfig": {
+                            "double_z": True,
+                            "z_channels": vae.z_channels,
+                            "in_channels": vae.in_channels,
+                            "out_ch": vae.out_channels,
+                            "ch": vae.ch,
+                            "ch_mult": list(vae.ch_mult),
+                            "num_res_blocks": vae.num_res_blocks,
+                            "attn_resolutions": [],
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+
+# --- determinism -----------------------------------------------------------------------------
+
+
+def test_same_seed_gives_identical_tensors_and_another_seed_differs(tmp_path):
+    paths = {name: tmp_path / f"{name}.safetensors" for name in ("a", "b", "other")}
+    write_checkpoint("tiny", paths["a"], seed=7)
+    write_checkpoint("tiny", paths["b"], seed=7)
+    write_checkpoint("tiny", paths["other"], seed=8)
+    first, second, other = (load_file(paths[name]) for name in ("a", "b", "other"))
+
+    assert first.keys() == second.keys() == other.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+        assert not torch.equal(first[key], other[key]), key
+    assert paths["a"].read_bytes() == paths["b"].read_bytes()
+
+
+def test_tensor_depends_only_on_seed_and_key_and_fp16_is_fp32_cast(tmp_path, tiny_checkpoint):
+    fp16 = load_file(write_checkpoint("tiny", tmp_path / "half.safetensors", seed=0, dtype="fp16").path)
+    specs = checkpoint_specs("tiny")
+    for key in (UNET_PREFIX + "out.2.weight", VAE_PREFIX + "decoder.conv_in.bias"):
+        assert torch.equal(modelgen.generate_tensor(key, specs[key], seed=0), tiny_checkpoint[key])
+    for key, value in fp16.items():
+        assert value.dtype == torch.float16
+        assert torch.equal(value, tiny_checkpoint[key].half()), key
+
+
+def test_initialisation_is_scaled_by_kind(tiny_checkpoint):
+    norm_scale = tiny_checkpoint[UNET_PREFIX + "out.0.weight"]
+    conv = tiny_checkpoint[UNET_PREFIX + "input_blocks.1.0.in_layers.2.weight"]  # fan_in 32 * 3 * 3
+    assert torch.all((norm_scale - 1).abs() < 0.2)
+    assert conv.std().item() == pytest.approx((32 * 9) ** -0.5, rel=0.1)
+    assert all(torch.isfinite(value).all() for value in tiny_checkpoint.values())
+
+
+def test_metadata_and_summary(tmp_path):
+    summary = write_checkpoint("tiny", tmp_path / "nested" / "dir" / "m.safetensors", seed=3)
+    assert summary.path.is_file()
+    assert summary.file_bytes == summary.path.stat().st_size
+    assert summary.param_count == param_count(checkpoint_specs("tiny"))
+    with safe_open(str(summary.path), "pt") as file:
+        assert file.metadata() == {"format": "pt", "sdopt_size": "tiny", "sdopt_seed": "3", "sdopt_dtype": "fp16"}
+        assert len(list(file.keys())) == summary.tensor_count
+
+
+# --- key layout, checked against diffusers' LDM single-file converters -----------------------
+
+
+def test_diffusers_configs_agree_with_diffusers_reading_of_the_ldm_config():
+    # sample_size is left out: diffusers guesses it (512 px) from the checkpoint type, and passing
+    # image_size is deprecated; it only sets a default resolution, not the structure.
+    for size in ("tiny", "mini", "full"):
+        original = _ldm_original_config(size)
+        for ours, theirs in (
+            (diffusers_unet_config(size), create_unet_diffusers_config_from_ldm(original, {})),
+            (diffusers_vae_config(size), create_vae_diffusers_config_from_ldm(original, {})),
+        ):
+            del ours["sample_size"]
+            assert ours == {key: theirs[key] for key in ours}, size
+
+
+def test_tiny_unet_keys_load_strictly_into_diffusers(tiny_checkpoint):
+    config = diffusers_unet_config("tiny")
+    ldm = _part(tiny_checkpoint, UNET_PREFIX)
+    converted = convert_ldm_unet_checkpoint(checkpoint=tiny_checkpoint, config=config)
+    # The converter silently drops keys it does not know, so count them: one diffusers key per LDM key.
+    assert len(converted) == len(ldm)
+    unet = UNet2DConditionModel(**config).eval()
+    unet.load_state_dict(converted, strict=True)
+
+    latent_side = config["sample_size"]
+    context = torch.randn(1, 77, config["cross_attention_dim"])
+    with torch.no_grad():
+        out = unet(torch.randn(1, 4, latent_side, latent_side), 500, encoder_hidden_states=context).sample
+    assert out.shape == (1, 4, latent_side, latent_side)
+    assert torch.isfinite(out).all()
+
+
+def test_tiny_vae_keys_load_strictly_into_diffusers(tiny_checkpoint):
+    config = diffusers_vae_config("tiny")
+    ldm = _part(tiny_checkpoint, VAE_PREFIX)
+    converted = convert_ldm_vae_checkpoint(checkpoint=tiny_checkpoint, config=config)
+    assert len(converted) == len(ldm)
+    vae = AutoencoderKL(**config).eval()
+    vae.load_state_dict(converted, strict=True)
+
+    with torch.no_grad():
+        image = vae.decode(torch.randn(1, 4, 8, 8)).sample
+    assert image.shape == (1, 3, 8 * checkpoint_config("tiny").vae.downscale, 16)
+    assert torch.isfinite(image).all()
+
+
+def test_tiny_text_encoder_keys_load_into_transformers(tiny_checkpoint):
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: text encoder unchecked")
+    converted = convert_ldm_clip_checkpoint(tiny_checkpoint)
+    assert len(converted) == len(_part(tiny_checkpoint, TEXT_ENCODER_PREFIX))
+    model = transformers.CLIPTextModel(transformers.CLIPTextConfig(**transformers_clip_text_config("tiny"))).eval()
+    if not hasattr(model, "text_model"):
+        # transformers >= 5.6 flattened CLIPTextModel; diffusers strips the prefix the same way.
+        converted = {key.removeprefix("text_model."): value for key, value in converted.items()}
+    missing, unexpected = model.load_state_dict(converted, strict=False)
+    assert unexpected == []
+    # Older transformers kept position_ids as a persistent buffer; SD1.5 files need not carry it.
+    assert {key.removeprefix("text_model.") for key in missing} <= {"embeddings.position_ids"}
+
+    with torch.no_grad():
+        hidden = model(torch.tensor([[49406, 320, 1929, 49407]])).last_hidden_state
+    assert torch.isfinite(hidden).all()
+
+
+# --- manifests -------------------------------------------------------------------------------
+
+
+def test_full_manifest_matches_sd15_exactly():
+    specs = checkpoint_specs("full")
+    for prefix, (tensors, params) in SD15_TENSORS_AND_PARAMS.items():
+        part = {key: spec for key, spec in specs.items() if key.startswith(prefix)}
+        assert (len(part), param_count(part)) == (tensors, params), prefix
+    assert len(specs) == sum(tensors for tensors, _ in SD15_TENSORS_AND_PARAMS.values())
+    assert specs[VAE_PREFIX + "decoder.conv_in.weight"].shape == (512, 4, 3, 3)
+    assert specs[VAE_PREFIX + "quant_conv.weight"].shape == (8, 8, 1, 1)
+    assert specs[VAE_PREFIX + "post_quant_conv.weight"].shape == (4, 4, 1, 1)
+
+
+def test_mini_manifest_is_detected_as_sd15_with_full_text_encoder_and_vae():
+    mini = checkpoint_config("mini")
+    full = checkpoint_config("full")
+    unet = unet_ldm_specs(mini.unet)
+    assert param_count(unet) == 107_431_044
+    # What ComfyUI's SD15.matches reads: model_channels 320, in_channels 4, context 768, conv proj_in.
+    assert unet["input_blocks.0.0.weight"].shape == (320, 4, 3, 3)
+    assert unet["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"].shape == (320, 768)
+    assert len(unet["input_blocks.1.1.proj_in.weight"].shape) == 4
+    assert "label_emb.0.0.weight" not in unet
+    assert clip_text_specs(mini.text_encoder) == clip_text_specs(full.text_encoder)
+    assert vae_ldm_specs(mini.vae) == vae_ldm_specs(full.vae)
+
+
+# --- errors and the CLI ----------------------------------------------------------------------
+
+
+def test_failed_write_leaves_the_previous_file_and_no_temp(tmp_path, monkeypatch):
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"previous")
+    real_generate = modelgen.generate_tensor
+    calls = []
+
+    def failing_generate(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 10:
+            raise RuntimeError("simulated failure")
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(modelgen, "generate_tensor", failing_generate)
+    with pytest.raises(RuntimeError, match="simulated"):
+        write_checkpoint("tiny", out)
+    assert out.read_bytes() == b"previous"
+    assert [path.name for path in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+def test_bad_arguments_raise_user_error(tmp_path):
+    with pytest.raises(UserError, match="folder"):
+        write_checkpoint("tiny", tmp_path)
+    with pytest.raises(UserError, match=r"\.safetensors"):
+        write_checkpoint("tiny", tmp_path / "model.ckpt")
+    with pytest.raises(UserError, match="size"):
+        write_checkpoint("huge", tmp_path / "model.safetensors")
+    with pytest.raises(UserError, match="dtype"):
+        write_checkpoint("tiny", tmp_path / "model.safetensors", dtype="int8")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match="cannot create"):
+        write_checkpoint("tiny", blocker / "model.safetensors")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["file"]
+
+
+def test_cli_make_model_writes_the_file(tmp_path, capsys):
+    out = tmp_path / "cli" / "tiny.safetensors"
+    assert cli.main(["make-model", "tiny", "--out", str(out), "--seed", "1"]) == 0
+    assert out.is_file()
+    assert str(out) in capsys.readouterr().out
+    key = UNET_PREFIX + "out.2.bias"
+    expected = modelgen.generate_tensor(key, checkpoint_specs("tiny")[key], seed=1, dtype=torch.float16)
+    assert torch.equal(load_file(out)[key], expected)
+
+
+@pytest.mark.parametrize("bad_out", ["existing_dir", "model.ckpt"])
+def test_cli_bad_out_exits_2_with_one_line(tmp_path, capsys, bad_out):
+    (tmp_path / "existing_dir").mkdir()
+    assert cli.main(["make-model", "tiny", "--out", str(tmp_path / bad_out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sdopt: error: ")
+    assert err.count("\n") == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["existing_dir"]
