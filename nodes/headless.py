@@ -118,6 +118,10 @@ class ComfyHost:
     def node_classes(self) -> dict:
         return self._nodes.NODE_CLASS_MAPPINGS
 
+    def clear_cache(self) -> None:
+        """Forget cached node outputs, so the next prompt runs every node."""
+        self._executor.reset()
+
     def add_models_folder(self, folder: Path) -> None:
         """Search ``folder`` for checkpoints, and ``folder/<kind>`` for every other model kind."""
         folder = Path(folder).resolve()

@@ -46,8 +46,10 @@ def current_prompt_id() -> str:
     context = _executing_context()
     if context is not None:
         return context.prompt_id
-    from server import PromptServer
-
+    try:
+        from server import PromptServer
+    except ImportError:  # headless, outside a prompt: there is no server to ask
+        return ""
     instance = getattr(PromptServer, "instance", None)
     return str(getattr(instance, "last_prompt_id", None) or "")
 

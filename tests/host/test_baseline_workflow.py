@@ -12,6 +12,7 @@ SMALL = ["KSampler.steps=2", "EmptyLatentImage.width=128", "EmptyLatentImage.hei
 
 @pytest.fixture(scope="module")
 def baseline(comfy_host):
+    comfy_host.host.clear_cache()
     return comfy_host.run(WORKFLOWS / "sd15_baseline.json", SMALL)
 
 
