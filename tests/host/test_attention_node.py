@@ -1,0 +1,185 @@
+"""SDOptAttention and SDOptVAEAttention in real ComfyUI, on the mini SD1.5 checkpoint (CPU, fp32).
+
+Sampling is 2 euler steps at 64x64 (an 8x8 latent). The patched clone must reproduce the stock
+latent within ``REL_TOL`` of its largest magnitude, and the model it was made from must keep
+producing the stock latent bit for bit.
+
+The nodes come from ComfyUI's own import of the pack (under a module name of ComfyUI's choosing),
+and module-level state (the profiler's active run, the prompt notes, the ``UserError`` class) is
+per imported copy, so those are taken from that copy through ``_pack``.
+"""
+import copy
+import importlib
+
+import pytest
+import torch
+
+# |patched - stock| / max|stock| on the sampled latent. The random-weight mini model amplifies
+# float rounding (latent magnitude ~450 after cfg 7): ComfyUI's own attention_pytorch and
+# attention_split differ from its CPU default (sub_quad) by 3.2e-6 and 2.9e-6 of it; sdopt's
+# sdpa/naive/sliced/sub_quadratic measured 2.8e-6 to 3.5e-6.
+REL_TOL = 1e-5
+# |patched - stock| on decoded pixels in [0, 1] (measured: about 1e-6).
+VAE_ATOL = 1e-5
+STEPS, SEED, CFG = 2, 42, 7.0
+BACKENDS = ["sub_quadratic", "sliced", "sdpa", "naive", "auto"]
+
+
+@pytest.fixture(scope="module")
+def mini(comfy_host):
+    import comfy.sample
+
+    model, clip, vae = comfy_host.load_checkpoint()
+    positive = clip.encode_from_tokens_scheduled(clip.tokenize("a lighthouse on a cliff"))
+    negative = clip.encode_from_tokens_scheduled(clip.tokenize(""))
+    latent = torch.zeros(1, 4, 8, 8)
+
+    def sample(m):
+        noise = comfy.sample.prepare_noise(latent, SEED)
+        return comfy.sample.sample(m, noise, STEPS, CFG, "euler", "normal", positive, negative, latent, seed=SEED, disable_pbar=True)
+
+    stock = sample(model)
+    return {"model": model, "vae": vae, "sample": sample, "stock": stock}
+
+
+def _pack(comfy_host, name):
+    """Module ``name`` (e.g. ``"optim.profiler"``) of the pack as ComfyUI loaded it."""
+    package = comfy_host.nodes["SDOptAttention"].__module__.rsplit(".nodes.", 1)[0]
+    return importlib.import_module(f"{package}.{name}")
+
+
+def _patch(comfy_host, model, backend, on_unavailable="fallback", slice_size=0, memory_budget_mb=32):
+    (patched,) = comfy_host.nodes["SDOptAttention"]().patch(model, backend, on_unavailable, slice_size, memory_budget_mb)
+    return patched
+
+
+def test_nodes_are_registered_with_every_backend(comfy_host):
+    from sdopt.optim.attention import attention_choices
+
+    for name in ("SDOptAttention", "SDOptVAEAttention"):
+        inputs = comfy_host.nodes[name].INPUT_TYPES()["required"]
+        assert inputs["backend"][0] == list(attention_choices())
+        assert inputs["on_unavailable"][0] == ["fallback", "error"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_patched_sampling_matches_stock_and_leaves_the_model_alone(comfy_host, mini, backend):
+    from sdopt.nodes.records import optimization_records
+
+    model, stock = mini["model"], mini["stock"]
+    options_before = copy.copy(model.model_options)
+    patched = _patch(comfy_host, model, backend)
+    out = mini["sample"](patched)
+    assert (out - stock).abs().max().item() <= REL_TOL * stock.abs().max().item()
+    assert torch.equal(mini["sample"](model), stock), "the model the node was given must be unchanged"
+    assert model.model_options == options_before
+    (record,) = [r for r in optimization_records(patched.model_options) if r["node"] == "SDOptAttention"]
+    assert record["requested"] == backend
+    assert record["active"] == ("auto (pending)" if backend == "auto" else backend)
+
+
+def test_override_is_shared_by_downstream_clones(comfy_host, mini):
+    patched = _patch(comfy_host, mini["model"], "auto")
+    override = patched.model_options["transformer_options"]["optimized_attention_override"]
+    assert copy.deepcopy(override) is override, "a plain function: deep copies keep one auto cache"
+    assert patched.clone().model_options["transformer_options"]["optimized_attention_override"] is override
+    assert "optimized_attention_override" not in mini["model"].model_options.get("transformer_options", {})
+
+
+def test_auto_pick_reaches_the_profiled_run(comfy_host, mini):
+    from sdopt.nodes.records import optimization_records
+    from sdopt.optim.attention import backend_names
+
+    SamplingRun = _pack(comfy_host, "optim.profiler").SamplingRun
+    patched = _patch(comfy_host, mini["model"], "auto")
+    run = SamplingRun("attention", "cpu", optimization_records(patched.model_options))
+    with run.memory_scope():
+        run.start()
+        mini["sample"](patched)
+        run.finish()
+    (record,) = run.result().optimizations
+    picks = record["active"].split(", ")
+    assert picks and set(picks) <= set(backend_names())
+    assert "ms" in record["note"] and "rejected:" in record["note"]
+
+
+def test_missing_package_falls_back_or_raises(comfy_host, mini):
+    from sdopt.nodes.records import optimization_records
+    from sdopt.optim.attention import available
+
+    UserError = _pack(comfy_host, "errors").UserError
+
+    q = torch.zeros(1, 1, 1, 8)
+    reason = available("xformers", q, q, q).reason
+    if "not installed" not in reason:
+        pytest.skip(f"xformers is installed here ({reason or 'and runs'})")
+    patched = _patch(comfy_host, mini["model"], "xformers")
+    (record,) = optimization_records(patched.model_options)
+    assert record["active"] == "sdpa"
+    assert record["note"] == "fallback from xformers to sdpa: xformers is not installed: pip install xformers"
+    out = mini["sample"](patched)
+    assert (out - mini["stock"]).abs().max().item() <= REL_TOL * mini["stock"].abs().max().item()
+    with pytest.raises(UserError, match="pip install xformers"):
+        _patch(comfy_host, mini["model"], "xformers", on_unavailable="error")
+
+
+@pytest.mark.parametrize("backend", ["sub_quadratic", "auto"])
+def test_vae_node_patches_only_during_decode(comfy_host, mini, backend):
+    from comfy_execution.utils import CurrentNodeContext
+
+    from sdopt.nodes.attention import vae_attention_blocks
+
+    prompt_notes = _pack(comfy_host, "nodes.records").prompt_notes
+
+    vae, latent = mini["vae"], mini["stock"]
+    blocks = vae_attention_blocks(vae)
+    assert blocks, "the SD VAE has mid-block attention"
+    stock_attention = [block.optimized_attention for block in blocks]
+    expected = vae.decode(latent)
+    expected_tiled = vae.decode_tiled(latent, 8, 8, 2)
+    prompt_id = f"attention-vae-{backend}"
+    with CurrentNodeContext(prompt_id, "1"):
+        (patched,) = comfy_host.nodes["SDOptVAEAttention"]().patch(vae, backend, "fallback", 0, 32)
+        assert patched is not vae
+        decoded = patched.decode(latent)
+        tiled = patched.decode_tiled(latent, 8, 8, 2)
+    assert (decoded - expected).abs().max().item() <= VAE_ATOL
+    assert (tiled - expected_tiled).abs().max().item() <= VAE_ATOL
+    assert [block.optimized_attention for block in blocks] == stock_attention, "restored after the decode"
+    assert torch.equal(vae.decode(latent), expected), "the given VAE keeps the stock attention"
+    (note,) = prompt_notes(prompt_id)
+    assert note["node"] == "SDOptVAEAttention" and note["requested"] == backend
+    assert note["active"] != "auto (pending)"
+
+
+def test_workflow_reports_what_ran(comfy_host):
+    prompt = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": comfy_host.checkpoint.name}},
+        "2": {
+            "class_type": "SDOptAttention",
+            "inputs": {"model": ["1", 0], "backend": "auto", "on_unavailable": "fallback", "slice_size": 0, "memory_budget_mb": 32},
+        },
+        "3": {"class_type": "SDOptProfiler", "inputs": {"model": ["2", 0], "label": "attention"}},
+        "4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a lighthouse"}},
+        "5": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": ""}},
+        "6": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "7": {
+            "class_type": "KSampler",
+            "inputs": {
+                "model": ["3", 0], "seed": 0, "steps": STEPS, "cfg": CFG, "sampler_name": "euler", "scheduler": "normal",
+                "positive": ["4", 0], "negative": ["5", 0], "latent_image": ["6", 0], "denoise": 1.0,
+            },
+        },
+        "8": {
+            "class_type": "SDOptVAEAttention",
+            "inputs": {"vae": ["1", 2], "backend": "sub_quadratic", "on_unavailable": "fallback", "slice_size": 0, "memory_budget_mb": 32},
+        },
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["7", 0], "vae": ["8", 0]}},
+        "10": {"class_type": "SDOptProfileReport", "inputs": {"filename_prefix": "sdopt/attention", "images": ["9", 0]}},
+    }
+    report = comfy_host.run(prompt).report.to_dict()
+    (run,) = report["runs"]
+    (model_record,) = [o for o in run["optimizations"] if o["node"] == "SDOptAttention"]
+    assert model_record["requested"] == "auto" and model_record["active"] != "auto (pending)"
+    (vae_record,) = [o for o in report["optimizations"] if o["node"] == "SDOptVAEAttention"]
+    assert vae_record["active"] == "sub_quadratic"

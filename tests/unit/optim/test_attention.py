@@ -1,0 +1,377 @@
+"""Attention backends on CPU: each one against naive, masks, availability reasons, fallback, auto."""
+import dataclasses
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from sdopt.errors import UserError
+from sdopt.optim import attention as A
+from sdopt.optim.attention import (
+    AUTO,
+    AttentionConfig,
+    AutoAttention,
+    Backend,
+    Limits,
+    NamedAttention,
+    available,
+    backend_function,
+    backend_names,
+    build_attention,
+    get_backend,
+    naive_attention,
+    register_backend,
+    resolve_backend,
+    resolve_backend_for_device,
+    sub_quadratic_chunks,
+    summarize_decisions,
+    unregister_backend,
+)
+
+# Largest |backend - naive| accepted here, per input dtype. Measured: fp32 stays near 1e-6;
+# bf16 near 8e-3 (one bf16 ulp at |out| ~ 1-2, from SDPA's bf16 matmuls).
+ATOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+# Budgets small enough that sliced and sub_quadratic cut these shapes into several slices and
+# key chunks (the online softmax really rescales).
+TINY_BUDGET = 64 * 1024
+CONFIGS = {"default": AttentionConfig(), "tiny-budget": AttentionConfig(memory_budget_bytes=TINY_BUDGET)}
+CPU_BACKENDS = [name for name in backend_names() if get_backend(name).check("cpu").ok]
+# (batch, heads, query tokens, key tokens, head dim): odd token counts, CLIP's 77-token context,
+# SD head dims 40/64/80/160, batch > 1.
+SHAPES = [
+    (1, 8, 77, 77, 40),
+    (2, 4, 333, 77, 64),
+    (2, 2, 333, 333, 80),
+    (3, 2, 129, 77, 160),
+]
+OPTIONAL = {"xformers": "xformers", "sage": "sageattention", "flash_attn": "flash-attn"}
+
+
+def _qkv(batch, heads, q_tokens, k_tokens, head_dim, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, q_tokens, head_dim, generator=generator)
+    k = torch.randn(batch, heads, k_tokens, head_dim, generator=generator)
+    v = torch.randn(batch, heads, k_tokens, head_dim, generator=generator)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _max_error(out, q, k, v, mask=None):
+    return (out.float() - naive_attention(q, k, v, mask).float()).abs().max().item()
+
+
+@pytest.fixture
+def registered():
+    """Register test backends (or replacements) and restore the registry afterwards."""
+    before = {name: get_backend(name) for name in backend_names()}
+    order = list(before)
+
+    def register(backend):
+        register_backend(backend, replace=True)
+        return backend.name
+
+    yield register
+    for name in backend_names():
+        unregister_backend(name)
+    for name in order:
+        register_backend(before[name])
+
+
+def test_cpu_has_the_portable_backends():
+    assert {"sdpa", "sdpa_math", "sliced", "sub_quadratic", "naive"} <= set(CPU_BACKENDS)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_backend_matches_naive_fp32(name, config, shape):
+    q, k, v = _qkv(*shape)
+    out = backend_function(name, config)(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert _max_error(out, q, k, v) <= ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_backend_matches_naive_bf16(name):
+    q, k, v = _qkv(2, 4, 333, 77, 64, torch.bfloat16)
+    out = backend_function(name, CONFIGS["tiny-budget"])(q, k, v)
+    assert out.dtype == torch.bfloat16
+    assert _max_error(out, q, k, v) <= ATOL[torch.bfloat16]
+
+
+def _masks(batch, heads, q_tokens, k_tokens):
+    generator = torch.Generator().manual_seed(1)
+    keep = torch.rand(1, 1, 1, k_tokens, generator=generator) > 0.3
+    keep[..., 0] = True  # no row is fully masked
+    return {
+        "additive-batch": torch.randn(batch, 1, q_tokens, k_tokens, generator=generator),
+        "additive-per-head": torch.randn(batch, heads, q_tokens, k_tokens, generator=generator),
+        "additive-2d": torch.randn(q_tokens, k_tokens, generator=generator),
+        "bool-key-padding": keep,
+    }
+
+
+@pytest.mark.parametrize("mask_kind", ["additive-batch", "additive-per-head", "additive-2d", "bool-key-padding"])
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_backend_with_mask_matches_naive(name, mask_kind):
+    shape = (2, 4, 333, 77, 64)
+    q, k, v = _qkv(*shape)
+    mask = _masks(2, 4, 333, 77)[mask_kind]
+    assert available(name, q, k, v, mask).ok
+    out = backend_function(name, CONFIGS["tiny-budget"])(q, k, v, mask)
+    assert _max_error(out, q, k, v, mask) <= ATOL[torch.float32]
+
+
+def test_bool_mask_is_additive_minus_infinity():
+    q, k, v = _qkv(1, 2, 5, 6, 8)
+    keep = torch.tensor([True, False, True, True, False, True])
+    bias = torch.zeros(6).masked_fill(~keep, -math.inf)
+    torch.testing.assert_close(naive_attention(q, k, v, keep), naive_attention(q, k, v, bias))
+    torch.testing.assert_close(naive_attention(q, k, v, keep), naive_attention(q, k[:, :, keep], v[:, :, keep]))
+
+
+def test_sub_quadratic_handles_key_chunks_that_are_entirely_masked():
+    q, k, v = _qkv(1, 2, 100, 512, 16)
+    keep = torch.zeros(512, dtype=torch.bool)
+    keep[400:] = True  # the first key chunks hold nothing to attend to
+    budget = 2 * 2 * 4 * 64 * 64  # 64 x 64 chunks over 2 rows
+    assert sub_quadratic_chunks(2, 100, 512, 4, budget)[1] == 64
+    out = A.sub_quadratic_attention(q, k, v, keep, memory_budget_bytes=budget)
+    assert torch.isfinite(out).all()
+    assert _max_error(out, q, k, v, keep) <= ATOL[torch.float32]
+
+
+def test_sub_quadratic_chunks_fit_the_budget_and_chunk_the_keys():
+    rows, tokens, size = 8, 4096, 4
+    q_chunk, kv_chunk = sub_quadratic_chunks(rows, tokens, tokens, size, A.DEFAULT_MEMORY_BUDGET_BYTES)
+    assert kv_chunk < tokens and q_chunk < tokens, "4096 x 4096 at the default budget needs key and query chunks"
+    assert 2 * rows * q_chunk * kv_chunk * size <= A.DEFAULT_MEMORY_BUDGET_BYTES
+    assert sub_quadratic_chunks(rows, 77, 77, size, A.DEFAULT_MEMORY_BUDGET_BYTES) == (77, 77)
+
+
+def test_sliced_by_heads_and_explicit_slice_size():
+    q, k, v = _qkv(2, 8, 333, 77, 40)
+    mask = _masks(2, 8, 333, 77)["additive-per-head"]
+    out = A.sliced_attention(q, k, v, mask, slice_size=50, head_slice_size=3)
+    assert _max_error(out, q, k, v, mask) <= ATOL[torch.float32]
+
+
+def test_naive_computes_half_inputs_in_fp32():
+    q, k, v = _qkv(1, 2, 33, 33, 16, torch.bfloat16)
+    expected = naive_attention(q.float(), k.float(), v.float()).to(torch.bfloat16)
+    assert torch.equal(naive_attention(q, k, v), expected)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONAL))
+def test_missing_optional_packages_are_named_with_pip(name):
+    package = OPTIONAL[name]
+    q, k, v = _qkv(1, 2, 8, 8, 64, torch.float16)
+    verdict = available(name, q, k, v)
+    if verdict.ok or "not installed" not in verdict.reason:
+        pytest.skip(f"{package} is installed here")
+    assert not verdict.ok
+    assert verdict.reason == f"{package} is not installed: pip install {package}"
+
+
+def test_device_dtype_head_dim_and_mask_reasons():
+    q, k, v = _qkv(1, 2, 8, 8, 64)
+    assert available("sdpa_efficient", q, k, v).reason == "sdpa_efficient needs CUDA"
+    flash = get_backend("sdpa_flash")
+    assert flash.check("cuda", torch.float32).reason == "sdpa_flash on cuda supports float16, bfloat16 (got float32)"
+    assert flash.check("cuda", torch.float16, head_dim=512).reason == "sdpa_flash supports head dim <= 256 (got 512)"
+    assert flash.check("cuda", torch.float16, 64, has_mask=True).reason == "sdpa_flash on cuda does not support attention masks"
+    assert flash.check("cuda", torch.float16, 64).ok
+    assert available("naive", q.double(), k.double(), v.double()).reason.startswith("naive on cpu supports float32")
+    elsewhere = Backend("elsewhere", naive_attention, {"cuda": Limits(), "xpu": Limits()})
+    assert elsewhere.check("cpu").reason == "elsewhere does not run on cpu (runs on: cuda, xpu)"
+
+
+def test_shape_problems_are_reported():
+    q, k, v = _qkv(1, 2, 8, 9, 16)
+    assert not available("sdpa", q, k[:, :1], v).ok
+    assert not available("sdpa", q, k, v, torch.zeros(8, 5)).ok
+    assert available("sdpa", q, k, v, torch.zeros(8, 9)).ok
+    assert "unknown" in available("nope", q, k, v).reason
+
+
+def _missing(name, pip):
+    """A backend that needs a package that is not installed anywhere."""
+    return Backend(name, naive_attention, {A.ANY_DEVICE: Limits()}, module=f"sdopt_missing_{name}", pip=pip)
+
+
+def test_fallback_goes_to_sdpa_with_a_note(registered):
+    registered(_missing("needs_pkg", "needs-pkg"))
+    q, k, v = _qkv(1, 2, 8, 8, 16)
+    resolved = resolve_backend("needs_pkg", q, k, v, on_unavailable="fallback")
+    assert resolved.name == "sdpa" and resolved.fell_back
+    assert resolved.note == "fallback from needs_pkg to sdpa: needs-pkg is not installed: pip install needs-pkg"
+    assert resolve_backend("sliced", q, k, v) == A.Resolved("sliced", "sliced")
+
+
+def test_fallback_skips_sdpa_when_it_cannot_run(registered):
+    registered(dataclasses.replace(get_backend("sdpa"), limits={"cuda": Limits()}))
+    q, k, v = _qkv(1, 2, 8, 8, 16)
+    resolved = resolve_backend("sdpa_efficient", q, k, v)
+    assert resolved.name == "sub_quadratic"
+    assert "fallback from sdpa_efficient to sub_quadratic" in resolved.note
+
+
+def test_error_mode_raises_one_line_naming_the_requirement(registered):
+    registered(_missing("needs_pkg", "needs-pkg"))
+    q, k, v = _qkv(1, 2, 8, 8, 16)
+    with pytest.raises(UserError) as error:
+        resolve_backend("needs_pkg", q, k, v, on_unavailable="error")
+    assert "pip install needs-pkg" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(UserError, match="needs CUDA"):
+        resolve_backend_for_device("sdpa_efficient", "cpu", "error")
+    assert resolve_backend_for_device("sdpa_efficient", "cuda", "error").name == "sdpa_efficient"
+
+
+def test_nothing_can_run_raises():
+    q, k, v = _qkv(1, 2, 8, 8, 16, torch.float64)
+    with pytest.raises(UserError, match="no attention backend can run here"):
+        resolve_backend("sdpa", q, k, v)
+
+
+def test_config_is_validated():
+    with pytest.raises(UserError, match="on_unavailable"):
+        AttentionConfig(on_unavailable="ignore")
+    with pytest.raises(UserError, match="choose from auto, sdpa"):
+        AttentionConfig(backend="sdap")
+    with pytest.raises(UserError):
+        AttentionConfig(memory_budget_bytes=0)
+    assert AttentionConfig(backend=AUTO).backend == AUTO
+
+
+def test_named_attention_falls_back_per_signature(registered):
+    registered(_missing("needs_pkg", "needs-pkg"))
+    seen = []
+    attention = build_attention(AttentionConfig(backend="needs_pkg"), on_decision=seen.append)
+    assert isinstance(attention, NamedAttention)
+    q, k, v = _qkv(1, 2, 8, 8, 16)
+    torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v))
+    attention(q, k, v)
+    (decision,) = attention.decisions
+    assert seen == [decision]
+    assert decision.picked == "sdpa" and "pip install needs-pkg" in decision.rejected["needs_pkg"]
+    assert summarize_decisions(attention.decisions) == ("sdpa", decision.note)
+
+
+def _counting(name, fn, calls):
+    def counted(q, k, v, mask=None):
+        calls.append(name)
+        return fn(q, k, v, mask)
+
+    return Backend(name, counted, {A.ANY_DEVICE: Limits()})
+
+
+def test_auto_rejects_a_wrong_backend_even_when_it_is_fastest(registered):
+    calls = []
+    registered(_counting("zeros", lambda q, k, v, mask=None: torch.zeros_like(q), calls))
+    registered(_counting("raises", lambda q, k, v, mask=None: 1 / 0, calls))
+    attention = AutoAttention(candidates=("zeros", "raises", "naive", "sdpa"))
+    q, k, v = _qkv(2, 2, 77, 77, 40)
+    out = attention(q, k, v)
+    (decision,) = attention.decisions
+    assert decision.requested == AUTO
+    assert decision.picked in ("naive", "sdpa")
+    assert set(decision.times_s) == {"naive", "sdpa"} and all(t > 0 for t in decision.times_s.values())
+    assert "exceeds the float32 tolerance (atol 0.0001 + rtol 0.0001)" in decision.rejected["zeros"]
+    assert decision.rejected["raises"].startswith("failed: ZeroDivisionError")
+    assert _max_error(out, q, k, v) <= ATOL[torch.float32]
+    active, note = summarize_decisions(attention.decisions)
+    assert active == decision.picked and "rejected: zeros (max abs error" in note
+
+
+def test_auto_picks_the_fastest_by_median(registered, monkeypatch):
+    """The timings are stubbed (unit tests never depend on real speed); the choice logic is not."""
+    seconds = {"steady": [3.0, 3.0, 3.0], "spiky": [9.0, 1.0, 2.0], "slow": [5.0, 5.0, 5.0]}
+    for name in seconds:
+        registered(_counting(name, naive_attention, []))
+    names_by_fn = {get_backend(name).fn: name for name in seconds}
+    monkeypatch.setattr(A, "time_attention", lambda fn, *args, **kwargs: seconds[names_by_fn[fn]])
+    attention = AutoAttention(candidates=("slow", "steady", "spiky"))
+    q, k, v = _qkv(1, 2, 8, 8, 16)
+    attention(q, k, v)
+    (decision,) = attention.decisions
+    assert decision.times_s == {"slow": 5.0, "steady": 3.0, "spiky": 2.0}
+    assert decision.picked == "spiky"
+
+
+def test_auto_decides_once_per_signature(registered):
+    calls = []
+    registered(_counting("counted", naive_attention, calls))
+    seen = []
+    attention = AutoAttention(on_decision=seen.append, candidates=("counted", "sdpa"), repeats=2)
+    q, k, v = _qkv(1, 2, 40, 40, 16)
+    attention(q, k, v)
+    timed = len(calls)
+    assert timed == 1 + 2 + (1 if attention.decisions[0].picked == "counted" else 0)
+    attention(q, k, v)
+    assert len(attention.decisions) == 1 and len(seen) == 1, "same signature: cached"
+    attention(q[:, :, :20], k, v)
+    mask = torch.zeros(40, 40)
+    attention(q, k, v, mask)
+    assert len(attention.decisions) == 3 and len(seen) == 3, "shape and mask presence are part of the signature"
+    assert len({d.signature for d in attention.decisions}) == 3
+
+
+def test_auto_is_the_default_candidate_set_and_skips_unavailable():
+    attention = build_attention(AttentionConfig(backend=AUTO))
+    assert isinstance(attention, AutoAttention)
+    q, k, v = _qkv(1, 2, 16, 16, 8)
+    attention(q, k, v)
+    (decision,) = attention.decisions
+    assert set(decision.times_s) | set(decision.rejected) == set(backend_names())
+    assert decision.rejected["sdpa_efficient"] == "sdpa_efficient needs CUDA"
+
+
+@pytest.fixture
+def fake_packages(monkeypatch):
+    """Stand-ins for xformers, sageattention and flash_attn that compute naive attention in
+    each library's documented layout, so the adapters' transposes and mask handling are tested."""
+    seen = {}
+
+    def memory_efficient_attention(q, k, v, attn_bias=None):  # [B, N, H, D]
+        if attn_bias is not None:
+            seen["bias"] = attn_bias
+            assert attn_bias.shape == (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+            assert attn_bias.stride(-2) % 8 == 0, "xformers needs the bias rows aligned to 8"
+        return naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias).transpose(1, 2)
+
+    def sageattn(q, k, v, tensor_layout="HND", is_causal=False):
+        assert tensor_layout == "HND" and not is_causal
+        return naive_attention(q, k, v)
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, causal=False):  # [B, N, H, D]
+        assert dropout_p == 0.0 and not causal
+        return naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    xformers = types.ModuleType("xformers")
+    xformers.ops = types.ModuleType("xformers.ops")
+    xformers.ops.memory_efficient_attention = memory_efficient_attention
+    for name, module in {
+        "xformers": xformers,
+        "xformers.ops": xformers.ops,
+        "sageattention": types.SimpleNamespace(sageattn=sageattn),
+        "flash_attn": types.SimpleNamespace(flash_attn_func=flash_attn_func),
+    }.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["xformers", "sage", "flash_attn"])
+def test_optional_adapters_keep_the_layout(fake_packages, name):
+    q, k, v = _qkv(2, 4, 33, 77, 64)
+    assert available(name, q, k, v).reason == f"{name} needs CUDA", "installed now: only the device is missing"
+    out = get_backend(name).fn(q, k, v)
+    assert _max_error(out, q, k, v) <= ATOL[torch.float32]
+
+
+def test_xformers_adapter_builds_an_aligned_bias(fake_packages):
+    q, k, v = _qkv(2, 4, 33, 77, 64)
+    mask = _masks(2, 4, 33, 77)["bool-key-padding"]
+    out = A.xformers_attention(q, k, v, mask)
+    assert fake_packages["bias"].dtype == q.dtype
+    assert _max_error(out, q, k, v, mask) <= ATOL[torch.float32]
