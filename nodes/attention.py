@@ -133,10 +133,8 @@ def comfy_attention_override(attention, reporter):
     (as ``attention_pytorch`` reads them), then calls ``reporter()``."""
 
     def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
-        if skip_reshape:
-            batch = q.shape[0]
-        else:
-            batch = q.shape[0]
+        batch = q.shape[0]
+        if not skip_reshape:
             q, k, v = (t.reshape(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
         if mask is not None:  # as attention_pytorch: [Nq, Nk] -> [1, 1, Nq, Nk], [B, Nq, Nk] -> [B, 1, Nq, Nk]
             if mask.ndim == 2:
