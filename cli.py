@@ -62,6 +62,23 @@ def _bench_attention(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
 
 
+def _bench_unet(args: argparse.Namespace) -> None:
+    from .optim.bench_unet import bench_unet, unet_table
+
+    rows = bench_unet(
+        size=args.size,
+        dtypes=args.dtypes,
+        resolution=args.resolution,
+        batch=args.batch,
+        device=args.device,
+        repeats=args.repeats,
+    )
+    print(unet_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([row.to_dict() for row in rows], indent=2))
+        print(f"wrote {args.json}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdopt", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--repeats", type=int, default=3)
     attention.add_argument("--json", type=Path, help="write the rows as JSON")
     attention.set_defaults(handler=_bench_attention)
+    unet = bench_kinds.add_parser("unet", help="SD1.5-architecture UNet latency and error per dtype, against fp32")
+    unet.add_argument("--size", choices=("tiny", "mini", "full"), default="full")
+    unet.add_argument("--dtypes", nargs="+", choices=("fp32", "fp16", "bf16"), default=["fp32", "fp16"])
+    unet.add_argument("--resolution", type=int, default=512, help="image side in pixels (latent is 1/8)")
+    unet.add_argument("--batch", type=int, default=2, help="2 = one cond+uncond sampler step")
+    unet.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    unet.add_argument("--repeats", type=int, default=3)
+    unet.add_argument("--json", type=Path, help="write the rows as JSON")
+    unet.set_defaults(handler=_bench_unet)
     return parser
 
 

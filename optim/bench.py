@@ -66,7 +66,7 @@ def bench_attention(
     backends get a row with the reason.
     """
     torch_dtype = _parse_dtype(dtype)
-    torch_device = _parse_device(device)
+    torch_device = parse_device(device)
     names = list(backends) if backends else list(backend_names())
     for name in names:
         get_backend(name)
@@ -164,7 +164,7 @@ def _parse_dtype(dtype: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _parse_device(device: str) -> torch.device:
+def parse_device(device: str) -> torch.device:
     try:
         parsed = torch.device(device)
     except RuntimeError:
