@@ -44,6 +44,13 @@ def _run(args: argparse.Namespace) -> None:
         print(f"report: {outcome.report_path}")
 
 
+def _print_rows(table: str, rows: list, json_path: Path | None) -> None:
+    print(table)
+    if json_path:
+        json_path.write_text(json.dumps([row.to_dict() for row in rows], indent=2))
+        print(f"wrote {json_path}")
+
+
 def _bench_attention(args: argparse.Namespace) -> None:
     from .optim.bench import attention_table, bench_attention
 
@@ -56,10 +63,7 @@ def _bench_attention(args: argparse.Namespace) -> None:
         backends=args.backends,
         repeats=args.repeats,
     )
-    print(attention_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps([row.to_dict() for row in rows], indent=2))
-        print(f"wrote {args.json}")
+    _print_rows(attention_table(rows), rows, args.json)
 
 
 def _bench_unet(args: argparse.Namespace) -> None:
@@ -73,14 +77,13 @@ def _bench_unet(args: argparse.Namespace) -> None:
         device=args.device,
         repeats=args.repeats,
     )
-    print(unet_table(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps([row.to_dict() for row in rows], indent=2))
-        print(f"wrote {args.json}")
+    _print_rows(unet_table(rows), rows, args.json)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdopt", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="sdopt", description="sdopt: generated SD1.5 checkpoints, headless profiled ComfyUI runs, benchmarks."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     make = commands.add_parser("make-model", help="write a deterministic random-weight SD1.5 checkpoint")

@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers import AutoencoderKL
 from diffusers.models.attention_processor import AttnProcessor
 
 from sdopt.optim.attention import AUTO, AttentionConfig, backend_names, get_backend
@@ -20,22 +20,9 @@ def _stock(model):
     return model
 
 
-@pytest.fixture(scope="module")
-def unet():
-    torch.manual_seed(0)
-    model = UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        block_out_channels=(32, 64),
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=(2, 4),
-        norm_num_groups=32,
-    )
-    return _stock(model.eval())
+@pytest.fixture()
+def unet(tiny_unet):
+    return _stock(tiny_unet)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers import AutoencoderKL
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -41,21 +41,9 @@ def rel_err(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.fixture(scope="module")
-def unet():
-    torch.manual_seed(0)
-    return UNet2DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        norm_num_groups=32,
-    ).eval()
+@pytest.fixture()
+def unet(tiny_unet):
+    return tiny_unet
 
 
 @pytest.fixture(scope="module")
