@@ -189,14 +189,25 @@ class SDOptPrecision:
     def _record(m, model, plan: PrecisionPlan, config: PrecisionConfig, stored: torch.dtype, new_weights: bool) -> None:
         options = m.model_options
         weight, compute = dtype_name(plan.weight_dtype), dtype_name(plan.compute_dtype)
+        slow_half = (
+            "fp16 runs slowly on most CPUs (44x slower than fp32 in docs/benchmarks.md); bf16 is the fast half type there"
+            if plan.compute_dtype == torch.float16 and torch.device(m.load_device).type == "cpu"
+            else ""
+        )
         if config.weight_dtype:
             if new_weights:
                 unet = model.model.diffusion_model
                 before, after = weight_bytes(unet), weight_bytes(unet, plan.weight_dtype)
                 change = f"saves {_mib(before - after)}" if after <= before else f"adds {_mib(after - before)}"
-                note = (
-                    f"{change} of UNet weights ({_mib(before)} → {_mib(after)}); "
-                    "a private copy, the input model is unchanged"
+                note = "; ".join(
+                    filter(
+                        None,
+                        [
+                            f"{change} of UNet weights ({_mib(before)} → {_mib(after)})",
+                            "a private copy, the input model is unchanged",
+                            "" if config.compute_dtype else slow_half,
+                        ],
+                    )
                 )
                 add_optimization_record(options, NODE, f"weight={config.weight_dtype}", f"weight={weight} (compute {compute})", note)
             else:
@@ -206,7 +217,7 @@ class SDOptPrecision:
                 )
         if config.compute_dtype:
             active = f"compute={compute}" + (f" (weights cast from {weight} per layer)" if plan.upcasts else "")
-            add_optimization_record(options, NODE, f"compute={config.compute_dtype}", active)
+            add_optimization_record(options, NODE, f"compute={config.compute_dtype}", active, slow_half)
         if plan.tf32:
             device = torch.device(m.load_device)
             note = "" if device.type == "cuda" else f"no effect on {device.type}: TF32 is a CUDA matmul/cuDNN setting"

@@ -9,7 +9,6 @@ and module-level state (the profiler's active run, the prompt notes, the ``UserE
 per imported copy, so those are taken from that copy through ``_pack``.
 """
 import copy
-import importlib
 
 import pytest
 import torch
@@ -21,31 +20,13 @@ import torch
 REL_TOL = 1e-5
 # |patched - stock| on decoded pixels in [0, 1] (measured: about 1e-6).
 VAE_ATOL = 1e-5
-STEPS, SEED, CFG = 2, 42, 7.0
 BACKENDS = ["sub_quadratic", "sliced", "sdpa", "naive", "auto"]
 
 
 @pytest.fixture(scope="module")
 def mini(comfy_host):
-    import comfy.sample
-
-    model, clip, vae = comfy_host.load_checkpoint()
-    positive = clip.encode_from_tokens_scheduled(clip.tokenize("a lighthouse on a cliff"))
-    negative = clip.encode_from_tokens_scheduled(clip.tokenize(""))
-    latent = torch.zeros(1, 4, 8, 8)
-
-    def sample(m):
-        noise = comfy.sample.prepare_noise(latent, SEED)
-        return comfy.sample.sample(m, noise, STEPS, CFG, "euler", "normal", positive, negative, latent, seed=SEED, disable_pbar=True)
-
-    stock = sample(model)
-    return {"model": model, "vae": vae, "sample": sample, "stock": stock}
-
-
-def _pack(comfy_host, name):
-    """Module ``name`` (e.g. ``"optim.profiler"``) of the pack as ComfyUI loaded it."""
-    package = comfy_host.nodes["SDOptAttention"].__module__.rsplit(".nodes.", 1)[0]
-    return importlib.import_module(f"{package}.{name}")
+    model, _, vae = comfy_host.load_checkpoint()
+    return {"model": model, "vae": vae, "sample": comfy_host.sample, "stock": comfy_host.sample(model)}
 
 
 def _patch(comfy_host, model, backend, on_unavailable="fallback", slice_size=0, memory_budget_mb=32):
@@ -90,7 +71,7 @@ def test_auto_pick_reaches_the_profiled_run(comfy_host, mini):
     from sdopt.nodes.records import optimization_records
     from sdopt.optim.attention import backend_names
 
-    SamplingRun = _pack(comfy_host, "optim.profiler").SamplingRun
+    SamplingRun = comfy_host.pack("optim.profiler").SamplingRun
     patched = _patch(comfy_host, mini["model"], "auto")
     run = SamplingRun("attention", "cpu", optimization_records(patched.model_options))
     with run.memory_scope():
@@ -107,7 +88,7 @@ def test_missing_package_falls_back_or_raises(comfy_host, mini):
     from sdopt.nodes.records import optimization_records
     from sdopt.optim.attention import available
 
-    UserError = _pack(comfy_host, "errors").UserError
+    UserError = comfy_host.pack("errors").UserError
 
     q = torch.zeros(1, 1, 1, 8)
     reason = available("xformers", q, q, q).reason
@@ -129,7 +110,7 @@ def test_vae_node_patches_only_during_decode(comfy_host, mini, backend):
 
     from sdopt.nodes.attention import vae_attention_blocks
 
-    prompt_notes = _pack(comfy_host, "nodes.records").prompt_notes
+    prompt_notes = comfy_host.pack("nodes.records").prompt_notes
 
     vae, latent = mini["vae"], mini["stock"]
     blocks = vae_attention_blocks(vae)
@@ -166,7 +147,7 @@ def test_workflow_reports_what_ran(comfy_host):
         "7": {
             "class_type": "KSampler",
             "inputs": {
-                "model": ["3", 0], "seed": 0, "steps": STEPS, "cfg": CFG, "sampler_name": "euler", "scheduler": "normal",
+                "model": ["3", 0], "seed": 0, "steps": 2, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
                 "positive": ["4", 0], "negative": ["5", 0], "latent_image": ["6", 0], "denoise": 1.0,
             },
         },

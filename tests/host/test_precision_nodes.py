@@ -5,7 +5,6 @@ stay finite and close to fp32, and the original model (shared, like ComfyUI's ca
 shares it) is bit-identical afterwards. The VAE node's NaN guard is shown on a copy of
 the mini VAE whose decoder overflows fp16.
 """
-import sys
 import uuid
 
 import pytest
@@ -13,9 +12,6 @@ import torch
 
 from sdopt.optim.precision import compute_supported, dtype_name
 
-STEPS = 2
-SIZE = 64
-SEED = 42
 # Relative L2 error of the sampled latent against the fp32 model's.
 REL_TOL = {"bf16": 0.06, "fp16": 0.01, "fp8_e4m3fn": 0.25, "fp32": 1e-4}
 # A decode of the mini VAE in bf16, and the guard's redo of an overflowing fp16 decode.
@@ -46,25 +42,7 @@ def device(checkpoint):
 
 @pytest.fixture(scope="module")
 def records(comfy_host):
-    """The records module of the pack ComfyUI loaded (not a second import of sdopt)."""
-    package = comfy_host.nodes["SDOptPrecision"].__module__.rpartition(".")[0]
-    return sys.modules[f"{package}.records"]
-
-
-@pytest.fixture(scope="module")
-def conds(checkpoint):
-    import nodes
-
-    clip = checkpoint[1]
-    return nodes.CLIPTextEncode().encode(clip, "a photo of a cat")[0], nodes.CLIPTextEncode().encode(clip, "")[0]
-
-
-def sample(model, conds):
-    import nodes
-
-    latent = {"samples": torch.zeros(1, 4, SIZE // 8, SIZE // 8)}
-    with torch.inference_mode():
-        return nodes.common_ksampler(model, SEED, STEPS, 7.0, "euler", "normal", conds[0], conds[1], latent)[0]["samples"]
+    return comfy_host.pack("nodes.records")
 
 
 def _tf32_flags():
@@ -102,7 +80,7 @@ def _cases(device):
 
 
 @pytest.fixture(scope="module")
-def runs(comfy_host, checkpoint, conds, device):
+def runs(comfy_host, checkpoint, device):
     """Sample with the original, every patched clone, then the original again."""
     import comfy.patcher_extension
 
@@ -113,19 +91,19 @@ def runs(comfy_host, checkpoint, conds, device):
         "model_dtype": model.model_dtype(),
         "manual_cast": model.model.manual_cast_dtype,
     }
-    reference = sample(model, conds)
+    reference = comfy_host.sample(model)
     flags_before = _tf32_flags()
     results = {}
     for name, (tol_key, inputs) in _cases(device).items():
         patched = node.patch(model, **inputs)[0]
         seen = {}
         patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test.spy", _spy(seen))
-        results[name] = dict(inputs=inputs, tol=REL_TOL[tol_key], model=patched, out=sample(patched, conds), seen=seen)
+        results[name] = dict(inputs=inputs, tol=REL_TOL[tol_key], model=patched, out=comfy_host.sample(patched), seen=seen)
     return dict(
         model=model,
         original=original,
         reference=reference,
-        again=sample(model, conds),
+        again=comfy_host.sample(model),
         flags_before=flags_before,
         flags_after=_tf32_flags(),
         results=results,
@@ -193,7 +171,7 @@ def test_records_say_what_is_active(runs, records):
     assert records.optimization_records(runs["model"].model_options) == []
 
 
-def test_weight_copy_carries_weight_patches_once(comfy_host, checkpoint, conds):
+def test_weight_copy_carries_weight_patches_once(comfy_host, checkpoint):
     """A LoRA-like patch on the input is applied to the private copy, and only once,
     even though the shared model was just sampled with the patch applied to it."""
     model = checkpoint[0]
@@ -202,14 +180,14 @@ def test_weight_copy_carries_weight_patches_once(comfy_host, checkpoint, conds):
     g = torch.Generator().manual_seed(5)
     lora = model.clone()
     lora.add_patches({k: ("diff", (torch.randn(state[k].shape, generator=g) * state[k].std(),)) for k in keys}, 1.0)
-    base_out = sample(model, conds)
-    lora_out = sample(lora, conds)
+    base_out = comfy_host.sample(model)
+    lora_out = comfy_host.sample(lora)
     assert rel_err(lora_out, base_out) > 0.1, "the patch matters"
     patched = comfy_host.nodes["SDOptPrecision"]().patch(lora, "bf16", "default", False, False)[0]
     assert patched.model is not model.model and set(keys) <= set(patched.patches)
-    assert rel_err(sample(patched, conds), lora_out) < REL_TOL["bf16"]
-    assert torch.equal(sample(lora, conds), lora_out)
-    assert torch.equal(sample(model, conds), base_out)
+    assert rel_err(comfy_host.sample(patched), lora_out) < REL_TOL["bf16"]
+    assert torch.equal(comfy_host.sample(lora), lora_out)
+    assert torch.equal(comfy_host.sample(model), base_out)
 
 
 def test_bad_weight_dtype_is_a_user_error_naming_the_input(comfy_host, checkpoint):
