@@ -81,10 +81,8 @@ def _memory_label(kind: str) -> str:
 
 def render_markdown(report: Report) -> str:
     lines = [f"sdopt profile: device {report.device}, torch {report.torch}, ComfyUI {report.comfyui or '-'}", ""]
-    if report.note:
-        lines += [report.note, ""]
     if not report.runs:
-        lines.append("No sampling run was profiled (is SDOptProfiler on the MODEL path?).")
+        lines.append(report.note or "No sampling run was profiled (is SDOptProfiler on the MODEL path?).")
     else:
         lines += [
             "| run | steps | first step s | steady it/s | sampler total s | peak memory MiB |",
