@@ -108,18 +108,6 @@ class Timeline:
         return [b - a for a, b in zip(self._marks, self._marks[1:])]
 
 
-@contextlib.contextmanager
-def timed(device: torch.device | str, into: dict, name: str):
-    """Time a section: adds its seconds to ``into[name]``."""
-    timeline = Timeline(device)
-    timeline.mark()
-    try:
-        yield
-    finally:
-        timeline.mark()
-        into[name] = into.get(name, 0.0) + timeline.intervals()[0]
-
-
 @dataclass
 class OptimizationRecord:
     """What an optimization node asked for and what actually ran."""

@@ -80,13 +80,3 @@ def test_notes_reach_only_the_active_run():
         {"node": "SDOptPrecision", "requested": "weight=fp16", "active": "weight=fp16", "note": ""},
     ]
     assert seed[0]["active"] == "pending", "the records the run was seeded with stay untouched"
-
-
-def test_timed_accumulates():
-    into = {}
-    with profiler.timed("cpu", into, "work"):
-        _busy()
-    first = into["work"]
-    with profiler.timed("cpu", into, "work"):
-        _busy()
-    assert into["work"] > first > 0
