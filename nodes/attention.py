@@ -22,8 +22,6 @@ notes (VAE). A requested backend that cannot run falls back to ``sdpa`` (or ``su
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 
 import torch
 from comfy.ldm.modules import attention as comfy_attention
@@ -44,11 +42,11 @@ from ..optim.attention import (
 )
 from ..optim.profiler import active_run, note_optimization
 from .records import add_optimization_record, note_prompt_optimization
+from .vae_copy import wrap_vae_methods
 
 MODEL_NODE = "SDOptAttention"
 VAE_NODE = "SDOptVAEAttention"
 OVERRIDE_KEY = "optimized_attention_override"
-VAE_METHODS = ("decode", "encode", "decode_tiled", "encode_tiled")
 _MARK = "_sdopt_vae_attention"  # on our VAE functions, so nested patched calls keep the outermost
 AUTO_NOTE = "times every available backend on the first call of each input shape and keeps the fastest that matches naive"
 
@@ -253,18 +251,13 @@ class SDOptVAEAttention:
             if attention.decisions:
                 note_prompt_optimization(VAE_NODE, backend, *summarize_decisions(attention.decisions))
 
-        patched = copy.copy(vae)
-        for name in VAE_METHODS:
-            if hasattr(vae, name):
-                setattr(patched, name, _with_attention(getattr(vae, name), blocks, fn, report))
-        return (patched,)
+        return (wrap_vae_methods(vae, lambda _name, inner: _with_attention(inner, fn, report)),)
 
 
-def _with_attention(method, blocks, fn, report):
-    @functools.wraps(method)
-    def call(*args, **kwargs):
-        with patched_attention_blocks(blocks, fn):
-            output = method(*args, **kwargs)
+def _with_attention(inner, fn, report):
+    def call(self, *args, **kwargs):
+        with patched_attention_blocks(vae_attention_blocks(self), fn):
+            output = inner(self, *args, **kwargs)
         report()
         return output
 

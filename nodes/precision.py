@@ -16,8 +16,6 @@ VAE black-image problem), reporting every redo for the prompt.
 """
 from __future__ import annotations
 
-import copy
-import types
 from collections import Counter
 
 import torch
@@ -43,13 +41,13 @@ from ..optim.precision import (
     weight_bytes,
 )
 from .records import add_optimization_record, current_prompt_id, note_prompt_optimization
+from .vae_copy import copy_vae, wrap_vae_methods
 
 NODE = "SDOptPrecision"
 VAE_NODE = "SDOptVAEPrecision"
 WRAPPER_KEY = "sdopt.precision"
 DEFAULT = "default"
 MIB = 2**20
-_GUARDED_METHODS = ("decode", "encode", "decode_tiled", "encode_tiled")
 
 # ModelPatcher state that belongs to the model it patches, not to the patching recipe.
 _TIED_TO_THE_MODEL = {
@@ -233,19 +231,10 @@ class SDOptPrecision:
                 )
 
 
-def _copy_vae(vae):
-    """A shallow copy whose methods rebound to ``vae`` (a patched decode, say) are rebound to the copy."""
-    duplicate = copy.copy(vae)
-    for name, value in vars(vae).items():
-        if isinstance(value, types.MethodType) and value.__self__ is vae:
-            setattr(duplicate, name, types.MethodType(value.__func__, duplicate))
-    return duplicate
-
-
 def _vae_in_dtype(vae, dtype: torch.dtype):
     """A copy of ``vae`` with its own weights in ``dtype`` and its own patcher."""
     _unload_everywhere(vae.first_stage_model)
-    duplicate = _copy_vae(vae)
+    duplicate = copy_vae(vae)
     duplicate.first_stage_model = converted_copy(vae.first_stage_model, dtype)
     duplicate.patcher = _rebased(vae.patcher, duplicate.first_stage_model)
     duplicate.vae_dtype = dtype
@@ -277,7 +266,7 @@ class _GuardReport:
 def _guarded(method: str, inner, safe_vae, report: _GuardReport):
     def guarded(self, *args, **kwargs):
         result = run_with_nan_guard(
-            lambda: inner(*args, **kwargs),
+            lambda: inner(self, *args, **kwargs),
             lambda dtype: getattr(safe_vae(dtype), method)(*args, **kwargs),
             self.vae_dtype,
             self.device,
@@ -292,19 +281,16 @@ def _guarded(method: str, inner, safe_vae, report: _GuardReport):
 def _with_nan_guard(vae, source, requested: str):
     """A copy of ``vae`` whose decode/encode (tiled too) redo a NaN/Inf result in a safer dtype,
     with weights converted from ``source`` (the node's input) into a cached VAE per dtype."""
-    guarded = _copy_vae(vae)
-    guarded.sdopt_safe_vaes = {}
+    safe_vaes = {}
 
     def safe_vae(dtype: torch.dtype):
-        if dtype not in guarded.sdopt_safe_vaes:
-            guarded.sdopt_safe_vaes[dtype] = source if source.vae_dtype == dtype else _vae_in_dtype(source, dtype)
-        return guarded.sdopt_safe_vaes[dtype]
+        if dtype not in safe_vaes:
+            safe_vaes[dtype] = source if source.vae_dtype == dtype else _vae_in_dtype(source, dtype)
+        return safe_vaes[dtype]
 
     report = _GuardReport(requested)
-    for method in _GUARDED_METHODS:
-        if hasattr(guarded, method):
-            inner = getattr(guarded, method)
-            setattr(guarded, method, types.MethodType(_guarded(method, inner, safe_vae, report), guarded))
+    guarded = wrap_vae_methods(vae, lambda method, inner: _guarded(method, inner, safe_vae, report))
+    guarded.sdopt_safe_vaes = safe_vaes
     return guarded
 
 

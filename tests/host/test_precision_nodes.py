@@ -16,6 +16,8 @@ from sdopt.optim.precision import compute_supported, dtype_name
 REL_TOL = {"bf16": 0.06, "fp16": 0.01, "fp8_e4m3fn": 0.25, "fp32": 1e-4}
 # A decode of the mini VAE in bf16, and the guard's redo of an overflowing fp16 decode.
 VAE_REL_TOL = 0.03
+# Below this, a "bf16" decode really ran the fp32 weights.
+BF16_MIN_REL_ERR = 1e-3
 # Latent side for VAE decodes: fp16 convolutions are very slow on some CPUs.
 VAE_LATENT = 4
 # Where decoder.conv_in's largest output lands after scaling: past fp16's 65504.
@@ -234,6 +236,21 @@ def test_vae_precision_decodes_finite_and_leaves_the_input_vae(comfy_host, check
     (note,) = records.prompt_notes(prompt_context)
     assert note["requested"] == "dtype=bf16, nan_guard=on"
     assert note["active"] == "bf16 (NaN guard redoes NaN/Inf in fp32)"
+
+
+def test_vae_precision_after_vae_attention_decodes_with_its_own_weights(comfy_host, checkpoint, latent, device, prompt_context):
+    """Chained VAE nodes: the bf16 copy of an attention-patched VAE must decode with the bf16
+    weights, not through the attention wrapper's original (fp32) VAE."""
+    if not compute_supported(torch.bfloat16, device):
+        pytest.skip(f"{device} does not compute in bf16")
+    vae = checkpoint[2]
+    reference = decode(vae, latent)
+    (with_attention,) = comfy_host.nodes["SDOptVAEAttention"]().patch(vae, "sub_quadratic", "fallback", 0, 32)
+    (chained,) = comfy_host.nodes["SDOptVAEPrecision"]().apply(with_attention, "bf16", False)
+    out = decode(chained, latent)
+    # bf16 weights: about 8.5e-3 from fp32; fp32 weights with another attention backend: about 1e-6.
+    assert BF16_MIN_REL_ERR < rel_err(out, reference) < VAE_REL_TOL, "the fp32 weights ran, not the bf16 copy"
+    assert torch.equal(decode(vae, latent), reference)
 
 
 @pytest.fixture(scope="module")
