@@ -1,28 +1,37 @@
-# Quick start: `make test` (set up and run the tests), `make demo` (profile the baseline workflow).
-VENV ?= .venv
-PY := $(VENV)/bin/python
-# The Python that runs ComfyUI: its own environment (torch, torchvision, ComfyUI's requirements).
-COMFY_PYTHON ?= python3
-MINI := $(COMFYUI_PATH)/models/checkpoints/sdopt-mini-sd15.safetensors
+# Quick start on a fresh machine: `make test` (set up everything, run every tier that can run here),
+# `make demo` (profile the baseline workflow headless), `make serve` (ComfyUI with sdopt on localhost).
+# ComfyUI comes from COMFYUI_PATH (used as it is), COMFYUI_SRC (copied) or the registry (0.3.75);
+# see tools/setup-comfyui.sh. Everything it installs lives in the ignored $(SDOPT_HOME).
+SDOPT_HOME ?= .comfyui
+export SDOPT_HOME
+PY := $(SDOPT_HOME)/venv/bin/python
+COMFY = $(shell cat $(SDOPT_HOME)/comfyui-path)
+MODELS := $(SDOPT_HOME)/models
+MINI := $(MODELS)/checkpoints/sdopt-mini-sd15.safetensors
+PORT ?= 8188
 # Small enough for a CPU; `make demo DEMO_SET=` runs the workflow as saved (512x512, 20 steps).
 DEMO_SET ?= --set KSampler.steps=4 --set EmptyLatentImage.width=256 --set EmptyLatentImage.height=256
 
-.PHONY: test demo clean
+.PHONY: test demo serve comfyui clean FORCE
 
-$(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	touch $@
+# Re-checked on every call: the script only installs what changed (ComfyUI, torch pins, pyproject).
+$(SDOPT_HOME)/comfyui-path: FORCE
+	@mkdir -p $(SDOPT_HOME)
+	@tools/setup-comfyui.sh > $@.tmp && tail -n 1 $@.tmp > $@ && rm $@.tmp
 
-test: $(VENV)/.installed
-	$(PY) -m pytest tests
+comfyui: $(SDOPT_HOME)/comfyui-path
 
-demo:
-	@test -n "$(COMFYUI_PATH)" || { echo "set COMFYUI_PATH to your ComfyUI folder"; exit 2; }
-	$(COMFY_PYTHON) -c "import sdopt" 2>/dev/null || $(COMFY_PYTHON) -m pip install -q -e .
-	test -f $(MINI) || $(COMFY_PYTHON) -m sdopt make-model mini --out $(MINI)
-	$(COMFY_PYTHON) -m sdopt run workflows/sd15_baseline.json $(DEMO_SET) --report-json out/sd15_baseline.json
+$(MINI): | comfyui
+	$(PY) -m sdopt make-model mini --out $@
+
+test: comfyui $(MINI)
+	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest tests
+
+demo: comfyui $(MINI)
+	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
+
+serve: comfyui $(MINI)
+	$(PY) -m sdopt serve --comfyui $(COMFY) --models $(MODELS) --port $(PORT)
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(SDOPT_HOME) out

@@ -1,6 +1,6 @@
 """Entry point for ``python -m sdopt``."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

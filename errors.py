@@ -2,4 +2,7 @@
 
 
 class UserError(Exception):
-    """A problem with the user's input: the message names the problem and the fix."""
+    """A problem with the user's input: the message names the input and the fix."""
+
+    # ComfyUI loads the pack under its folder path; this keeps its error dialog reading "sdopt.UserError".
+    __module__ = "sdopt"

@@ -1,8 +1,6 @@
-"""ComfyUI adapters: the node classes and the host wiring they share.
+"""ComfyUI faces: one small module per technique, ``glue`` for what they share, ``registry`` listing them.
 
-Node registrations live in ``registry.py`` (add new nodes to its ``_NODES``). They are
-imported on first access, because node modules import ComfyUI at module level while
-``headless`` must be importable before it boots ComfyUI.
+The registrations are imported on first access, so that importing the pack never imports ComfyUI.
 """
 
 

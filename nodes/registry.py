@@ -1,15 +1,18 @@
 """Every node class of the pack with its display name: add new nodes to ``_NODES``."""
-from .attention import SDOptAttention, SDOptVAEAttention
-from .precision import SDOptPrecision, SDOptVAEPrecision
-from .profiler import SDOptProfiler, SDOptProfileReport
+from .attention import SDOptAttention
+from .precision import SDOptPrecision
+from .profiler import SDOptProfiler
+from .report import SDOptProfileReport
+from .vae_attention import SDOptVAEAttention
+from .vae_precision import SDOptVAEPrecision
 
 _NODES = {
     "SDOptProfiler": (SDOptProfiler, "sdopt Profiler"),
     "SDOptProfileReport": (SDOptProfileReport, "sdopt Profile Report"),
-    "SDOptAttention": (SDOptAttention, "sdopt Attention"),
-    "SDOptVAEAttention": (SDOptVAEAttention, "sdopt VAE Attention"),
     "SDOptPrecision": (SDOptPrecision, "sdopt Precision"),
     "SDOptVAEPrecision": (SDOptVAEPrecision, "sdopt VAE Precision"),
+    "SDOptAttention": (SDOptAttention, "sdopt Attention"),
+    "SDOptVAEAttention": (SDOptVAEAttention, "sdopt VAE Attention"),
 }
 
 NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}

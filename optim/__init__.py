@@ -1,1 +1,2 @@
-"""Host-independent optimizations, profiler and benches: torch and diffusers only, never ComfyUI."""
+"""Techniques only, one module per technique (its frozen config and its apply functions): torch, never ComfyUI,
+the profiler or the report."""

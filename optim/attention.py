@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..errors import UserError
-from .profiler import Timeline
 
 AttentionFn = Callable[..., torch.Tensor]
 
@@ -50,7 +49,6 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # 32 MiB keeps sliced and sub_quadratic more than 20x below naive's peak at 4096 tokens x 8 heads
 # (fp32: about 42 and 35 MiB against 1 GiB, output included); a GPU can afford more for speed.
 DEFAULT_MEMORY_BUDGET_BYTES = 32 * 2**20
-AUTO_REPEATS = 3
 # Score-sized buffers per slice or chunk: ``sliced`` holds the scores and their softmax,
 # ``sub_quadratic`` the scores and, with a boolean mask, its additive form. The budget is divided by this.
 _SCORE_COPIES = 2
@@ -501,67 +499,6 @@ for _backend in (
 del _backend
 
 
-# --- checking and timing -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ReferenceCheck:
-    max_abs_error: float
-    ok: bool
-    reason: str = ""
-
-
-def check_against_naive(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    tolerance: Tolerance | None = None,
-    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-) -> ReferenceCheck:
-    """Compare ``out`` with ``naive`` on every query row, one block of rows at a time so the
-    reference never holds the full score matrix. The tolerance defaults to the dtype's."""
-    tolerance = tolerance or TOLERANCES.get(q.dtype, TOLERANCE_FP32)
-    expected = (*q.shape[:3], v.shape[-1])
-    if tuple(out.shape) != expected:
-        return ReferenceCheck(math.inf, False, f"output shape {list(out.shape)} instead of {list(expected)}")
-    batch, heads, q_tokens, _ = q.shape
-    block = sliced_slice_size(batch * heads, k.shape[2], _compute_dtype(q.dtype).itemsize, memory_budget_bytes)
-    worst, within = 0.0, True
-    for i in range(0, q_tokens, block):
-        rows = slice(i, i + block)
-        reference = naive_attention(q[:, :, rows], k, v, None if mask is None else _mask_view(mask, queries=rows)).float()
-        got = out[:, :, rows].float()
-        error = (got - reference).abs()
-        # NaN where the reference has NaN too (fully masked rows) is agreement; elsewhere it is wrong.
-        error = torch.where(reference.isnan() & got.isnan(), 0.0, error.nan_to_num(nan=math.inf))
-        worst = max(worst, error.max().item())
-        within = within and bool((error <= tolerance.atol + tolerance.rtol * reference.abs().nan_to_num()).all())
-    if within:
-        return ReferenceCheck(worst, True)
-    return ReferenceCheck(
-        worst, False, f"max abs error {worst:.2e} vs naive exceeds the {_dtype_name(q.dtype)} tolerance ({tolerance.describe()})"
-    )
-
-
-def time_attention(
-    fn: AttentionFn,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    repeats: int = AUTO_REPEATS,
-) -> list[float]:
-    """Seconds of each of ``repeats`` calls; CUDA events on CUDA, so queued work is counted."""
-    timeline = Timeline(q.device)
-    timeline.mark()
-    for _ in range(repeats):
-        fn(q, k, v, mask)
-        timeline.mark()
-    return timeline.intervals()
-
-
 # --- the per-signature callables ---------------------------------------------------------------
 
 
@@ -626,53 +563,13 @@ class NamedAttention(_PerSignature):
         return AttentionDecision(key, resolved.requested, resolved.name, resolved.note, rejected=rejected)
 
 
-class AutoAttention(_PerSignature):
-    """Times every available backend on the first real inputs of each signature and keeps the
-    fastest whose output matches ``naive`` within the dtype's tolerance.
-
-    ``candidates`` defaults to every registered backend at the time of the decision.
-    """
-
-    def __init__(
-        self,
-        config: AttentionConfig | None = None,
-        on_decision: Callable[[AttentionDecision], None] | None = None,
-        candidates: tuple[str, ...] | None = None,
-        repeats: int = AUTO_REPEATS,
-    ):
-        super().__init__(config or AttentionConfig(backend=AUTO), on_decision)
-        self.candidates = candidates
-        self.repeats = repeats
-
-    def _decide(self, key, q, k, v, mask) -> AttentionDecision:
-        times: dict[str, float] = {}
-        rejected: dict[str, str] = {}
-        for name in self.candidates or backend_names():
-            verdict = available(name, q, k, v, mask)
-            if not verdict.ok:
-                rejected[name] = verdict.reason
-                continue
-            fn = self._function(name)
-            try:
-                check = check_against_naive(fn(q, k, v, mask), q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes)
-                if not check.ok:
-                    rejected[name] = check.reason
-                    continue
-                times[name] = _median(time_attention(fn, q, k, v, mask, self.repeats))
-            except Exception as error:  # a backend that cannot run these inputs is turned down, not fatal
-                rejected[name] = f"failed: {type(error).__name__}: {_first_line(error)}"
-        if not times:
-            details = "; ".join(f"{name}: {reason}" for name, reason in rejected.items())
-            raise UserError(f"auto attention found no backend for {key} ({details})")
-        picked = min(times, key=times.__getitem__)
-        return AttentionDecision(key, AUTO, picked, _auto_note(key, picked, times), times, rejected)
-
-
 def build_attention(
     config: AttentionConfig, on_decision: Callable[[AttentionDecision], None] | None = None
-) -> NamedAttention | AutoAttention:
+) -> _PerSignature:
     """The attention callable for ``config``; ``on_decision`` hears each new per-signature decision."""
     if config.backend == AUTO:
+        from .attention_auto import AutoAttention
+
         return AutoAttention(config, on_decision)
     return NamedAttention(config, on_decision)
 
@@ -688,11 +585,41 @@ def summarize_decisions(decisions: list[AttentionDecision]) -> tuple[str, str]:
     return ", ".join(picks), "; ".join(notes)
 
 
-def _auto_note(key: str, picked: str, times: dict[str, float]) -> str:
-    ranked = sorted(times.items(), key=lambda item: item[1])
-    others = ", ".join(f"{name} {seconds * 1e3:.3g}" for name, seconds in ranked if name != picked)
-    note = f"{key}: {picked} {times[picked] * 1e3:.3g} ms"
-    return f"{note} (then {others})" if others else note
+# --- other tensor layouts ----------------------------------------------------------------------
+
+
+def packed_heads(attention: AttentionFn) -> Callable:
+    """``attention`` for q, k, v packed as ``[B, N, heads * D]`` (LDM and ComfyUI), or already
+    ``[B, H, N, D]`` with ``skip_reshape``; a 2-D or 3-D mask gains the missing dims; ``upcast``
+    computes half inputs in fp32. The output comes back in the inputs' layout and dtype."""
+
+    def call(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, upcast=False):
+        batch = q.shape[0]
+        if not skip_reshape:
+            q, k, v = (t.reshape(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+        if mask is not None and mask.ndim == 2:
+            mask = mask.unsqueeze(0)
+        if mask is not None and mask.ndim == 3:
+            mask = mask.unsqueeze(1)
+        dtype = q.dtype
+        if upcast and dtype in HALF_DTYPES:
+            q, k, v = q.float(), k.float(), v.float()
+        out = attention(q, k, v, mask).to(dtype)
+        return out if skip_output_reshape else out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1])
+
+    return call
+
+
+def channel_attention(attention: AttentionFn) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``attention`` for a VAE attention block's q, k, v ``[B, C, *spatial]``: one head of C channels."""
+
+    def call(q, k, v):
+        shape = q.shape
+        batch, channels = shape[:2]
+        q, k, v = (t.reshape(batch, 1, channels, -1).transpose(-2, -1) for t in (q, k, v))
+        return attention(q, k, v).transpose(-2, -1).reshape(shape)
+
+    return call
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -710,15 +637,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _first_line(error: BaseException) -> str:
-    lines = str(error).splitlines()
-    return lines[0] if lines else ""
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _import_problem(module: str, pip: str | None) -> str:

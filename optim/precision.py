@@ -1,11 +1,10 @@
 """Precision: weight storage dtype, compute dtype, TF32, channels-last, and a NaN guard.
 
-Host-independent. ``apply_precision_(module, PrecisionConfig(...))`` changes a module in
-place, like torchao's ``quantize_``: weights of Linear/Conv/Embedding layers are stored
-in ``weight_dtype`` and, when that differs from ``compute_dtype``, upcast on the fly by
-a parametrization (so fp8 storage computes in fp16, bf16 or fp32); everything else
-(norms, biases, buffers) is kept in the compute dtype. Apply it to a copy
-(``converted_copy`` or ``copy.deepcopy``) when the original must stay as it is.
+Host-independent. ``plan_precision`` resolves a ``PrecisionConfig`` for a model on a device
+(``pick_dtype`` says what ``auto`` means there, measured where it matters), and
+``converted_copy`` makes the private copy of a module whose weights are stored in the planned
+dtype; the host computes in the planned compute dtype (ComfyUI: its per-layer cast, which also
+upcasts fp8 storage). Nothing here changes the module it is given.
 
 TF32 is process-global, so it is a scope (``tf32_scope``) around the calls that should
 use it, never a property of a module. ``run_with_nan_guard`` redoes a decode/encode
@@ -19,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 
 from ..errors import UserError
 
@@ -39,6 +39,7 @@ DTYPES: dict[str, torch.dtype] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 WEIGHT_DTYPES = tuple(DTYPES)
+AUTO = "auto"
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -115,6 +116,64 @@ def safe_dtype(current: torch.dtype, device: torch.device | str) -> torch.dtype 
 
 
 @dataclass(frozen=True)
+class AutoPick:
+    """The dtype ``auto`` resolved to on a device, and why."""
+
+    dtype: torch.dtype
+    reason: str
+
+
+# bf16 must beat fp32 by this much on the probe: a tie is not worth the precision it costs.
+BF16_FASTER_BELOW = 0.9
+
+
+def _probe_once(device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds of one UNet-shaped conv and matmul in ``dtype`` (CUDA synchronized)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 128, 32, 32, generator=generator).to(device, dtype)
+    w = torch.randn(128, 128, 3, 3, generator=generator).to(device, dtype) / 32
+    tokens, features = torch.randn(1024, 320, generator=generator).to(device, dtype), torch.randn(320, 1280, generator=generator).to(device, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    F.conv2d(x, w, padding=1)
+    tokens @ features
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_over_fp32(device: str) -> float:
+    """bf16's time over fp32's on the probe: the median of 3 after a warm-up each, stopping early
+    when bf16's warm-up alone is already 5 times fp32 (CPUs without bf16 kernels take seconds)."""
+    dev = torch.device(device)
+    _probe_once(dev, torch.float32)
+    fp32 = statistics.median(_probe_once(dev, torch.float32) for _ in range(3))
+    first = _probe_once(dev, torch.bfloat16)
+    if first > 5 * fp32:
+        return first / fp32
+    return statistics.median(_probe_once(dev, torch.bfloat16) for _ in range(3)) / fp32
+
+
+def pick_dtype(device: torch.device | str) -> AutoPick:
+    """What ``auto`` means on ``device``: fp16 on CUDA; elsewhere bf16 where it measured faster
+    than fp32 (``BF16_FASTER_BELOW``), else fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if compute_supported(torch.float16, device):
+            return AutoPick(torch.float16, "fp16 on CUDA: half the memory of fp32 and tensor-core kernels")
+        return AutoPick(torch.float32, f"fp16 does not run on {device}")
+    if not compute_supported(torch.bfloat16, device):
+        return AutoPick(torch.float32, f"bf16 does not run on {device}")
+    ratio = _bf16_over_fp32(str(device))
+    measured = f"a conv+matmul probe took {ratio:.2f}x the fp32 time in bf16 on this {device.type}"
+    if ratio < BF16_FASTER_BELOW:
+        return AutoPick(torch.bfloat16, measured)
+    return AutoPick(torch.float32, measured + ", so fp32")
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     """What to change; None keeps what the module has (see ``plan_precision``)."""
 
@@ -166,21 +225,6 @@ def plan_precision(
     return PrecisionPlan(weight, compute, config.tf32, config.channels_last)
 
 
-@dataclass(frozen=True)
-class PrecisionResult:
-    plan: PrecisionPlan
-    weight_bytes_before: int
-    weight_bytes_after: int
-
-    @property
-    def saved_bytes(self) -> int:
-        return self.weight_bytes_before - self.weight_bytes_after
-
-    def scope(self) -> contextlib.AbstractContextManager:
-        """The process-wide settings the plan needs (TF32), for ``with`` around the module's calls."""
-        return tf32_scope() if self.plan.tf32 else contextlib.nullcontext()
-
-
 def weight_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
     """Bytes of ``module``'s parameters as stored, or with every floating-point one stored in ``dtype``."""
     return sum(
@@ -189,94 +233,27 @@ def weight_bytes(module: nn.Module, dtype: torch.dtype | None = None) -> int:
     )
 
 
-def _dominant_dtype(module: nn.Module) -> torch.dtype:
-    counts = Counter()
-    for p in module.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] += p.numel()
-    return counts.most_common(1)[0][0] if counts else torch.float32
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
-
-
-class _ReadAs(nn.Module):
-    """Parametrization: the stored weight is read in ``compute``."""
-
-    def __init__(self, compute: torch.dtype):
-        super().__init__()
-        self.compute = compute
-
-    def forward(self, stored: torch.Tensor) -> torch.Tensor:
-        return stored.to(self.compute)
-
-
 def _memory_format(t: torch.Tensor, channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last and t.ndim == 4 else torch.preserve_format
 
 
-def _is_matrix_weight(name: str, p: torch.Tensor) -> bool:
-    return name == "weight" and p.ndim >= 2
-
-
 @torch.no_grad()
-def apply_precision_(
-    module: nn.Module, config: PrecisionConfig, device: torch.device | str | None = None
-) -> PrecisionResult:
-    """Change ``module`` in place to ``config`` and say what was done.
-
-    ``device`` (default: where the module's parameters are) is where the compute dtype
-    is checked. Apply once per module: a module that already has this parametrization
-    is refused.
-    """
-    if any(parametrize.is_parametrized(sub) for sub in module.modules()):
-        raise UserError("module: it already has parametrized weights; apply precision to a fresh copy")
-    device = torch.device(device) if device is not None else _module_device(module)
-    current = _dominant_dtype(module)
-    plan = plan_precision(config, stored=current, computing=current, device=device)
-    before = weight_bytes(module)
-    for sub in list(module.modules()):
-        for name, p in list(sub.named_parameters(recurse=False)):
-            if not p.is_floating_point():
-                continue
-            fmt = _memory_format(p, plan.channels_last)
-            if plan.upcasts and _is_matrix_weight(name, p):
-                p.data = p.data.to(dtype=plan.weight_dtype, memory_format=fmt)
-                parametrize.register_parametrization(sub, name, _ReadAs(plan.compute_dtype), unsafe=True)
-            else:
-                p.data = p.data.to(dtype=plan.compute_dtype, memory_format=fmt)
-        for name, b in list(sub.named_buffers(recurse=False)):
-            if b is not None and b.is_floating_point():
-                sub._buffers[name] = b.to(dtype=plan.compute_dtype, memory_format=_memory_format(b, plan.channels_last))
-    return PrecisionResult(plan, before, weight_bytes(module))
-
-
-@torch.no_grad()
-def converted_copy(
-    root: nn.Module,
-    dtype: torch.dtype,
-    part: nn.Module | None = None,
-    channels_last: bool = False,
-    memo: dict | None = None,
-) -> nn.Module:
-    """A deep copy of ``root`` whose ``part`` (default: all of ``root``) has its floating-point
-    parameters and buffers in ``dtype`` (4-D ones channels-last if asked).
+def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = False) -> nn.Module:
+    """A deep copy of ``module`` with its floating-point parameters and buffers in ``dtype``
+    (4-D ones channels-last if asked); ``module`` is left as it is.
 
     Each tensor is converted while it is copied, so an unconverted copy never exists.
-    ``memo`` pre-seeds ``copy.deepcopy``'s memo, e.g. ``{id(obj): None}`` to leave a
-    back-reference out of the copy.
     """
-    memo = {} if memo is None else memo
-    for p in (part if part is not None else root).parameters():
+    memo = {}
+    for p in module.parameters():
         if p.is_floating_point():
             memo[id(p)] = nn.Parameter(
                 p.detach().to(dtype=dtype, memory_format=_memory_format(p, channels_last)), requires_grad=p.requires_grad
             )
-    for b in (part if part is not None else root).buffers():
+    for b in module.buffers():
         if b.is_floating_point():
             memo[id(b)] = b.detach().to(dtype=dtype, memory_format=_memory_format(b, channels_last))
-    return copy.deepcopy(root, memo)
+    return copy.deepcopy(module, memo)
 
 
 def _tf32_restorers() -> list[Callable[[], None]]:

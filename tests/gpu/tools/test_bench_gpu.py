@@ -3,8 +3,8 @@
 - A fused attention kernel (SDPA flash, or xFormers where installed) beats ``naive`` in fp16.
 - The fp16 SD1.5 UNet is faster than fp32 and stays close to it.
 """
-from sdopt.optim.bench import STATUS_OK, bench_attention
-from sdopt.optim.bench_unet import bench_unet
+from sdopt.tools.bench_attention import STATUS_OK, bench_attention
+from sdopt.tools.bench_unet import bench_unet
 
 FP16_UNET_REL_ERROR = 1e-2
 FP16_ATTENTION_MAX_ABS_ERROR = 5e-3

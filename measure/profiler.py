@@ -1,4 +1,4 @@
-"""Measure sampling runs: section and step times, peak memory, and what each optimization did.
+"""Measure sampling runs: step times, peak memory, and the optimization records they ran with.
 
 Host-independent: a host (the ComfyUI nodes, a diffusers loop, the benches) drives a
 ``SamplingRun`` through ``memory_scope``/``start``/``step``/``finish`` and gets a
@@ -19,9 +19,16 @@ import torch
 
 MEMORY_VRAM = "vram_allocated"
 MEMORY_RAM = "ram_rss"
+MEMORY_LABELS = {MEMORY_VRAM: "VRAM", MEMORY_RAM: "RAM"}
+MIB = 2**20
 
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def format_mib(n: int | None) -> str:
+    """Bytes as MiB with one decimal and thousands separators; "-" when unknown."""
+    return "-" if n is None else f"{n / MIB:,.1f}"
 
 
 def _peak_rss_bytes() -> int:
@@ -109,16 +116,6 @@ class Timeline:
 
 
 @dataclass
-class OptimizationRecord:
-    """What an optimization node asked for and what actually ran."""
-
-    node: str
-    requested: str
-    active: str
-    note: str = ""
-
-
-@dataclass
 class RunResult:
     label: str
     sampler_total_s: float
@@ -155,7 +152,7 @@ class SamplingRun:
         self.label = label
         self.device = torch.device(device)
         self.memory = PeakMemory(self.device)
-        self.optimizations: list[OptimizationRecord] = [OptimizationRecord(**dict(o)) for o in optimizations]
+        self.optimizations: list[dict] = [dict(o) for o in optimizations]
         self._timeline = Timeline(self.device)
         self._step_marks = 0
         self._reading: MemoryReading | None = None
@@ -182,14 +179,6 @@ class SamplingRun:
         self._timeline.mark()
         self._finished = True
 
-    def note(self, node: str, requested: str, active: str, note: str = "") -> None:
-        """Record or update (by node and requested) what an optimization did in this run."""
-        for record in self.optimizations:
-            if record.node == node and record.requested == requested:
-                record.active, record.note = active, note
-                return
-        self.optimizations.append(OptimizationRecord(node, requested, active, note))
-
     def result(self) -> RunResult:
         if not self._finished:
             raise RuntimeError(f"run {self.label!r} has not finished")
@@ -206,7 +195,7 @@ class SamplingRun:
             memory_kind=reading.kind,
             peak_reserved_bytes=reading.reserved_bytes,
             memory_note=reading.note,
-            optimizations=[asdict(o) for o in self.optimizations],
+            optimizations=[dict(o) for o in self.optimizations],
         )
 
 
@@ -217,9 +206,3 @@ def active_run() -> SamplingRun | None:
     """The run whose memory scope is open in this context, if any."""
     return _active_run.get()
 
-
-def note_optimization(node: str, requested: str, active: str, note: str = "") -> None:
-    """Tell the active run, if one is being profiled, what an optimization actually did."""
-    run = active_run()
-    if run is not None:
-        run.note(node, requested, active, note)

@@ -4,22 +4,27 @@
 ``ComfyHost`` directly. ComfyUI is imported from the given folder (never vendored),
 with ``--cpu`` when CUDA is absent, its core nodes, and this pack loaded through
 ComfyUI's own ``load_custom_node``, exactly as a ``custom_nodes`` install would be.
+The runner stands in for ComfyUI's server: it receives the report node's ``sdopt.report``
+event, as the browser does, and never builds or writes a report of its own.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import copy
+import importlib
+import inspect
 import logging
 import os
+import shutil
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UserError
-from ..optim.report import Report
-from ..workflow import (
+from ..measure.report import Report
+from .workflow import (
     apply_overrides,
     is_ui_format,
     load_workflow,
@@ -30,12 +35,15 @@ from ..workflow import (
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
 REPORT_NODE = "SDOptProfileReport"
+REPORT_EVENT = "sdopt.report"
 CLIENT_ID = "sdopt-headless"
+# What ComfyUI's own server passes as cache_args where PromptExecutor takes them (0.3.75 and newer).
+CACHE_ARGS = {"lru": 0, "ram": 0, "ram_inactive": 0}
 
 
 @dataclass
 class WorkflowOutcome:
-    report: Report
+    report: Report | None
     images: list[Path]
     prompt: dict
     report_path: Path | None = None
@@ -56,12 +64,18 @@ class _Server:
         self.events.append((event, data))
         # execution_cached is the first event after ComfyUI resets the progress registry.
         if event == "execution_cached":
-            from .node_timing import install_node_timer
+            from ..nodes.glue import install_node_timer
 
             install_node_timer(data["prompt_id"])
 
+    def send_progress_text(self, text, node_id, sid=None):
+        pass
+
     def queue_updated(self):
         pass
+
+    def reports(self) -> list[dict]:
+        return [data for event, data in self.events if event == REPORT_EVENT]
 
 
 @contextlib.contextmanager
@@ -100,9 +114,13 @@ class ComfyHost:
             import comfy.options
 
             comfy.options.enable_args_parsing()
+            # Before nodes, as in main.py: importing nodes puts comfy/ on sys.path, whose utils.py hides ComfyUI's utils/.
+            import utils  # noqa: F401
+
             import execution
             import folder_paths
             import nodes
+            import server
         finally:
             sys.argv = argv
         self._execution, self._folder_paths, self._nodes = execution, folder_paths, nodes
@@ -112,11 +130,20 @@ class ComfyHost:
         if not loaded or REPORT_NODE not in nodes.NODE_CLASS_MAPPINGS:
             raise RuntimeError(f"ComfyUI at {path} could not load sdopt from {PACK_ROOT}")
         self._server = _Server()
-        self._executor = execution.PromptExecutor(self._server, cache_type=execution.CacheType.CLASSIC)
+        if getattr(server.PromptServer, "instance", None) is None:
+            server.PromptServer.instance = self._server
+        options = {"cache_args": CACHE_ARGS} if "cache_args" in inspect.signature(execution.PromptExecutor).parameters else {}
+        self._executor = execution.PromptExecutor(self._server, cache_type=execution.CacheType.CLASSIC, **options)
 
     @property
     def node_classes(self) -> dict:
         return self._nodes.NODE_CLASS_MAPPINGS
+
+    def pack(self, name: str):
+        """Module ``name`` (e.g. ``"nodes.glue"``) of the pack as ComfyUI loaded it: ComfyUI imports the
+        pack under a module name of its own, so that copy holds the state the nodes use."""
+        package = self.node_classes[REPORT_NODE].__module__.rsplit(".nodes.", 1)[0]
+        return importlib.import_module(f"{package}.{name}")
 
     def clear_cache(self) -> None:
         """Forget cached node outputs, so the next prompt runs every node."""
@@ -173,7 +200,7 @@ class ComfyHost:
         return outputs
 
     def execute(self, prompt: dict) -> WorkflowOutcome:
-        """Validate and run an API prompt; the report node's report gets the whole prompt's node list."""
+        """Validate and run an API prompt; the outcome carries the report of its report node, if it has one."""
         prompt_id = uuid.uuid4().hex
         outputs = self._validate(prompt_id, prompt)
         self._server.events.clear()
@@ -186,9 +213,14 @@ class ComfyHost:
         if not self._executor.success:
             raise UserError(self._failure_message())
         history = self._executor.history_result["outputs"]
-        report, report_path = self._collect_report(prompt, history, prompt_id)
+        reports = self._server.reports()
+        report = Report.from_dict(reports[-1]["report"]) if reports else None
         return WorkflowOutcome(
-            report=report, images=self._images(history), prompt=prompt, report_path=report_path, outputs=history
+            report=report,
+            images=self._images(history),
+            prompt=prompt,
+            report_path=Path(reports[-1]["path"]) if reports else None,
+            outputs=history,
         )
 
     def _failure_message(self) -> str:
@@ -201,28 +233,6 @@ class ComfyHost:
             if event == "execution_interrupted":
                 return f"the run was interrupted at node {data['node_id']} ({data['node_type']})"
         return "the workflow failed (see ComfyUI's log above)"
-
-    def _collect_report(self, prompt: dict, history: dict, prompt_id: str) -> tuple[Report, Path | None]:
-        import comfy.model_management
-
-        from ..optim.report import device_name
-        from .node_timing import node_timings
-
-        reports = [
-            (output["sdopt_report"][-1], Path(output["sdopt_report_path"][-1]))
-            for node_id, output in history.items()
-            if prompt.get(node_id, {}).get("class_type") == REPORT_NODE and output.get("sdopt_report")
-        ]
-        if reports:
-            data, path = reports[-1]
-            report = Report.from_dict(data)
-        else:
-            report = Report(device=device_name(comfy.model_management.get_torch_device()))
-            path = None
-        report.nodes = node_timings(prompt_id)
-        if path is not None:
-            report.save_json(path)
-        return report, path
 
     def _images(self, history: dict) -> list[Path]:
         images = []
@@ -264,5 +274,10 @@ def run_workflow(
         host.set_output_folder(Path(out_dir))
     outcome = host.execute(host.prompt_from(workflow, overrides))
     if report_json is not None:
-        outcome.report_path = outcome.report.save_json(report_json)
+        if outcome.report_path is None:
+            raise UserError(f"--report-json: {workflow_path} has no {REPORT_NODE} node, so there is no report to copy")
+        report_json = Path(report_json)
+        report_json.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(outcome.report_path, report_json)
+        outcome.report_path = report_json
     return outcome

@@ -1,7 +1,7 @@
 """Profiler on CUDA: event timing and allocator peaks, reset at the start of each run."""
 import torch
 
-from sdopt.optim.profiler import MEMORY_VRAM, SamplingRun
+from sdopt.measure.profiler import MEMORY_VRAM, SamplingRun
 
 MIB = 1024 * 1024
 

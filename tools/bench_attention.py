@@ -17,10 +17,11 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
-from .attention import AttentionConfig, available, backend_function, backend_names, check_against_naive, get_backend, time_attention
-from .profiler import MEMORY_RAM, PeakMemory
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from ..measure.profiler import MEMORY_LABELS, MEMORY_RAM, PeakMemory, format_mib
+from ..measure.report import markdown_table
+from ..optim.attention import AttentionConfig, available, backend_function, backend_names, get_backend
+from ..optim.attention_auto import check_against_naive, time_attention
+from ..optim.precision import COMPUTE_DTYPES, DTYPES
 SEED = 0
 
 STATUS_OK = "ok"
@@ -134,23 +135,18 @@ def attention_table(rows: list[AttentionBenchRow]) -> str:
         for r in rows
         if r.backend == "naive" and r.status == STATUS_OK
     }
-    lines = [
-        "| backend | tokens | heads x dim | dtype | device | mean ms | peak MiB | naive peak / peak | max abs err vs naive | status |",
-        "|---|---:|---|---|---|---:|---:|---:|---:|---|",
-    ]
+    table = []
     for r in rows:
         if r.status != STATUS_OK:
             cells = ["—"] * 4
         else:
             reference = naive_peak.get((r.tokens, r.heads, r.head_dim, r.dtype, r.device))
             ratio = f"{reference / r.peak_memory_bytes:.1f}x" if reference and r.peak_memory_bytes else "—"
-            kind = "RAM" if r.memory_kind == MEMORY_RAM else "VRAM"
-            cells = [f"{r.mean_s * 1e3:.2f}", f"{r.peak_memory_bytes / 2**20:.1f} {kind}", ratio, f"{r.max_abs_error:.1e}"]
+            cells = [f"{r.mean_s * 1e3:.2f}", f"{format_mib(r.peak_memory_bytes)} {MEMORY_LABELS[r.memory_kind]}", ratio, f"{r.max_abs_error:.1e}"]
         status = r.status if not r.reason else f"{r.status}: {r.reason}"
-        lines.append(
-            f"| {r.backend} | {r.tokens} | {r.heads} x {r.head_dim} | {r.dtype} | {r.device} | " + " | ".join(cells) + f" | {status} |"
-        )
-    return "\n".join(lines)
+        table.append([r.backend, r.tokens, f"{r.heads} x {r.head_dim}", r.dtype, r.device, *cells, status])
+    headers = ["backend", "tokens", "heads x dim", "dtype", "device", "mean ms", "peak MiB", "naive peak / peak", "max abs err vs naive", "status"]
+    return "\n".join(markdown_table(headers, table, right={1, 5, 6, 7, 8}))
 
 
 def _inputs(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -159,8 +155,8 @@ def _inputs(tokens: int, heads: int, head_dim: int, dtype: torch.dtype, device: 
 
 
 def _parse_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise UserError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if dtype not in COMPUTE_DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {dtype!r}")
     return DTYPES[dtype]
 
 

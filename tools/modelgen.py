@@ -26,12 +26,13 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..optim.precision import DTYPES
 
 UNET_PREFIX = "model.diffusion_model."
 TEXT_ENCODER_PREFIX = "cond_stage_model.transformer."
 VAE_PREFIX = "first_stage_model."
 
-DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+CHECKPOINT_DTYPES = ("fp16", "fp32")
 _SAFETENSORS_DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32"}
 
 # Std of everything that is not a conv/linear weight or a norm scale: biases, embeddings, norm shifts.
@@ -465,8 +466,8 @@ def write_checkpoint(
     not the model. The file appears only when complete: it is written under a temporary
     name in the same folder and then renamed over ``out``.
     """
-    if dtype not in DTYPES:
-        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype not in CHECKPOINT_DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
     # Sorted like safetensors' own writer, so the bytes on disk depend on nothing but (size, seed, dtype).
     specs = dict(sorted(checkpoint_specs(size).items()))
     path = _checked_out_path(out)

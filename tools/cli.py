@@ -11,13 +11,13 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from ..errors import UserError
+from .modelgen import CHECKPOINT_DTYPES, SIZES
 
-DTYPES = ("fp16", "fp32")
 
 
 def _make_model(args: argparse.Namespace) -> None:
-    from .optim.modelgen import write_checkpoint
+    from .modelgen import write_checkpoint
 
     summary = write_checkpoint(args.size, args.out, seed=args.seed, dtype=args.dtype, progress=True)
     print(
@@ -27,7 +27,7 @@ def _make_model(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from .nodes.headless import run_workflow
+    from .headless import run_workflow
 
     outcome = run_workflow(
         args.workflow,
@@ -37,7 +37,7 @@ def _run(args: argparse.Namespace) -> None:
         report_json=args.report_json,
         out_dir=args.out,
     )
-    print(outcome.report.markdown())
+    print(outcome.report.markdown() if outcome.report else "no sdopt Profile Report node in this workflow: nothing was profiled")
     for image in outcome.images:
         print(f"image: {image}")
     if outcome.report_path is not None:
@@ -52,7 +52,7 @@ def _print_rows(table: str, rows: list, json_path: Path | None) -> None:
 
 
 def _bench_attention(args: argparse.Namespace) -> None:
-    from .optim.bench import attention_table, bench_attention
+    from .bench_attention import attention_table, bench_attention
 
     rows = bench_attention(
         tokens=args.tokens,
@@ -67,17 +67,24 @@ def _bench_attention(args: argparse.Namespace) -> None:
 
 
 def _bench_unet(args: argparse.Namespace) -> None:
-    from .optim.bench_unet import bench_unet, unet_table
+    from .bench_unet import bench_unet, unet_table
 
     rows = bench_unet(
-        size=args.size,
-        dtypes=args.dtypes,
+        args.comfyui,
+        model=args.model,
+        weight_dtypes=args.dtypes,
         resolution=args.resolution,
         batch=args.batch,
-        device=args.device,
         repeats=args.repeats,
+        models=args.models,
     )
     _print_rows(unet_table(rows), rows, args.json)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from .serve import run_server
+
+    run_server(args.comfyui, args.models, args.port)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,10 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     make = commands.add_parser("make-model", help="write a deterministic random-weight SD1.5 checkpoint")
-    make.add_argument("size", choices=("tiny", "mini", "full"))
+    make.add_argument("size", choices=SIZES)
     make.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--dtype", choices=DTYPES, default="fp16")
+    make.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="fp16")
     make.set_defaults(handler=_make_model)
 
     run = commands.add_parser("run", help="run a ComfyUI workflow headless, with sdopt loaded, and profile it")
@@ -108,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, help="output folder for images and reports (default: ComfyUI's output)")
     run.set_defaults(handler=_run)
 
+    serve = commands.add_parser("serve", help="start ComfyUI with sdopt installed, on localhost")
+    serve.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    serve.add_argument("--models", type=Path, required=True, help="folder whose checkpoints/ ComfyUI should offer")
+    serve.add_argument("--port", type=int, default=8188)
+    serve.set_defaults(handler=_serve)
+
     bench = commands.add_parser("bench", help="micro-benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)
     attention = bench_kinds.add_parser("attention", help="time, peak memory and error of each attention backend")
@@ -120,13 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--repeats", type=int, default=3)
     attention.add_argument("--json", type=Path, help="write the rows as JSON")
     attention.set_defaults(handler=_bench_attention)
-    unet = bench_kinds.add_parser("unet", help="SD1.5-architecture UNet latency and error per dtype, against fp32")
-    unet.add_argument("--size", choices=("tiny", "mini", "full"), default="full")
-    unet.add_argument("--dtypes", nargs="+", choices=("fp32", "fp16", "bf16"), default=["fp32", "fp16"])
+    unet = bench_kinds.add_parser(
+        "unet", help="UNet latency, memory and error per weight dtype through SDOptPrecision, inside ComfyUI, vs fp32"
+    )
+    unet.add_argument("--model", default="mini", help=f"{', '.join(SIZES)} (generated once) or a checkpoint file")
+    unet.add_argument("--dtypes", nargs="+", choices=("auto", "fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"), default=["auto", "fp16", "bf16"])
     unet.add_argument("--resolution", type=int, default=512, help="image side in pixels (latent is 1/8)")
     unet.add_argument("--batch", type=int, default=2, help="2 = one cond+uncond sampler step")
-    unet.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     unet.add_argument("--repeats", type=int, default=3)
+    unet.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    unet.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
     unet.add_argument("--json", type=Path, help="write the rows as JSON")
     unet.set_defaults(handler=_bench_unet)
     return parser

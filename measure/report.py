@@ -1,0 +1,173 @@
+"""The profile report: JSON (schema in docs/report-schema.md), a markdown table and a PNG chart.
+
+The chart needs matplotlib, an optional dependency: without it ``save_chart`` returns None and
+the report carries a note naming the install command, so the table still reaches the user.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .profiler import MEMORY_LABELS, MIB, format_mib
+
+SCHEMA_VERSION = 2
+CHART_MISSING = "chart not drawn: matplotlib is not installed (pip install matplotlib)"
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def markdown_table(headers: list[str], rows: list[list], right: set[int] = frozenset()) -> list[str]:
+    """A markdown table's lines; columns whose index is in ``right`` are right-aligned."""
+    rule = ["---:" if i in right else "---" for i in range(len(headers))]
+    return ["| " + " | ".join(map(str, line)) + " |" for line in (headers, rule, *rows)]
+
+
+@dataclass
+class Report:
+    device: str
+    comfyui: str | None = None
+    runs: list[dict] = field(default_factory=list)
+    nodes: list[dict] = field(default_factory=list)
+    optimizations: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    cached: bool = False
+    torch: str = torch.__version__
+
+    def to_dict(self) -> dict:
+        return {
+            "sdopt_report": SCHEMA_VERSION,
+            "device": self.device,
+            "torch": self.torch,
+            "comfyui": self.comfyui,
+            "cached": self.cached,
+            "runs": self.runs,
+            "nodes": self.nodes,
+            "optimizations": self.optimizations,
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Report":
+        if data.get("sdopt_report") != SCHEMA_VERSION:
+            raise ValueError(f"not an sdopt report (schema {SCHEMA_VERSION})")
+        return cls(
+            device=data["device"],
+            comfyui=data.get("comfyui"),
+            runs=list(data.get("runs", [])),
+            nodes=list(data.get("nodes", [])),
+            optimizations=list(data.get("optimizations", [])),
+            notes=list(data.get("notes", [])),
+            cached=bool(data.get("cached", False)),
+            torch=data["torch"],
+        )
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        tmp.replace(path)
+        return path
+
+    def markdown(self) -> str:
+        return render_markdown(self)
+
+    def save_chart(self, path: str | Path) -> Path | None:
+        """The chart as a PNG at ``path``; None (and a note in the report) without matplotlib."""
+        if importlib.util.find_spec("matplotlib") is None:
+            if CHART_MISSING not in self.notes:
+                self.notes.append(CHART_MISSING)
+            return None
+        return render_chart(self, path)
+
+
+def _memory(bytes_: int | None, kind: str) -> str:
+    return f"{format_mib(bytes_)} ({MEMORY_LABELS.get(kind, kind)})"
+
+
+def render_markdown(report: Report) -> str:
+    lines = [f"sdopt profile: device {report.device}, torch {report.torch}, ComfyUI {report.comfyui or '-'}", ""]
+    lines += [*report.notes, ""] if report.notes else []
+    if not report.runs:
+        lines.append("No sampling run was profiled (is SDOptProfiler on the MODEL path?).")
+    else:
+        lines += markdown_table(
+            ["run", "steps", "first step s", "steady it/s", "sampler total s", "peak memory MiB"],
+            [
+                [
+                    run["label"], len(run["steps"]), f"{run['first_step_s']:.3f}", f"{run['steady_it_per_s']:.2f}",
+                    f"{run['sampler_total_s']:.3f}", _memory(run["peak_memory_bytes"], run["memory_kind"]),
+                ]
+                for run in report.runs
+            ],
+            right={1, 2, 3, 4, 5},
+        )
+    records = [(run["label"], o) for run in report.runs for o in run.get("optimizations", [])]
+    records += [("(outside sampling)", o) for o in report.optimizations]
+    if records:
+        lines += ["", *markdown_table(
+            ["run", "optimization", "requested", "active", "note"],
+            [[label, o["node"], o["requested"], o["active"], o["note"]] for label, o in records],
+        )]
+    if report.nodes:
+        lines += ["", *markdown_table(
+            ["node", "class", "seconds", "peak memory MiB"],
+            [[n["id"], n["class_type"], f"{n['seconds']:.3f}", format_mib(n["peak_memory_bytes"])] for n in report.nodes],
+            right={2, 3},
+        )]
+    return "\n".join(lines)
+
+
+def render_chart(report: Report, path: str | Path) -> Path:
+    """Where the prompt's time and memory went, as a PNG sized to be read at the report node's width:
+    per-node wall time and peak memory as bars, and each run's per-step times."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nodes = report.nodes
+    with plt.rc_context({"font.size": 12, "axes.titlesize": 13}):
+        fig, (time_ax, memory_ax, steps_ax) = plt.subplots(
+            3, 1, figsize=(6.4, 3.2 + 0.5 * max(len(nodes), 2) * 2), dpi=100, layout="constrained",
+            height_ratios=[max(len(nodes), 2), max(len(nodes), 2), 3],
+        )
+        names = [f"{n['id']} {n['class_type']}" for n in nodes]
+        kind = MEMORY_LABELS.get((report.runs or [{}])[0].get("memory_kind", ""), "memory")
+        for ax, values, title, color, fmt in (
+            (time_ax, [n["seconds"] for n in nodes], "Wall time per node (s)", "tab:blue", "{:.2f}"),
+            (memory_ax, [(n["peak_memory_bytes"] or 0) / MIB for n in nodes], f"Peak {kind} per node (MiB)", "tab:orange", "{:,.0f}"),
+        ):
+            ax.set_title(title, loc="left")
+            if nodes:
+                bars = ax.barh(range(len(nodes)), values, color=color, tick_label=names)
+                ax.bar_label(bars, fmt=fmt, padding=3)
+                ax.invert_yaxis()
+                ax.margins(x=0.2)
+            else:
+                ax.text(0.5, 0.5, "no per-node figures on this ComfyUI", ha="center", va="center", transform=ax.transAxes)
+                ax.set_axis_off()
+        for run in report.runs:
+            steps_ax.plot([s["index"] for s in run["steps"]], [s["seconds"] for s in run["steps"]], marker="o", label=run["label"])
+        steps_ax.set_title("Time per sampler step (s)", loc="left")
+        steps_ax.set_xlabel("step")
+        steps_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if report.runs:
+            steps_ax.legend(fontsize="small")
+        title = f"sdopt profile on {report.device}" + (" (cached: last real figures)" if report.cached else "")
+        fig.suptitle(title)
+        fig.savefig(path)
+        plt.close(fig)
+    return path

@@ -1,0 +1,358 @@
+"""What every sdopt node needs from ComfyUI, in one place.
+
+- **Keyed wrappers**: ``patched_clone`` clones a model and sets one node's wrappers under its key,
+  removing that key's earlier wrappers first, so a node chained twice replaces, never stacks.
+- **Records**: ``record_model``/``record_vae`` file a node's record on the clone or VAE copy it
+  returns; the profiler copies a model's records into each run, and a patched VAE files its own
+  into the prompt on every decode/encode, so records survive nodes that ComfyUI serves from cache.
+- **Private model copies**: ``private_copy`` gives a diffusion model its own converted weights
+  and a patcher that carries the input's patches, options, wrappers and callbacks.
+- **VAE copies**: ComfyUI has no ``VAE.clone()``; ``wrap_vae_methods`` returns a shallow copy
+  whose decode/encode (tiled too) run through a wrapper bound to the copy.
+- **The per-prompt context**: the executing prompt and node, its profiled runs and records, and
+  per-node wall time and peak memory through ComfyUI's progress registry (≈0.3.45 and newer).
+
+Every difference between ComfyUI versions is feature-detected here, never read from a version string.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+import types
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from ..errors import UserError
+from ..measure.profiler import PeakMemory, active_run
+from ..measure.record import record
+
+RECORDS_KEY = "sdopt_optimizations"
+DEFAULT = "default"
+VAE_METHODS = ("decode", "encode", "decode_tiled", "encode_tiled")
+_KEPT_PROMPTS = 16
+
+
+# --- keyed wrappers and records on models ----------------------------------------------------------
+
+
+def comfy_attention():
+    from comfy.ldm.modules import attention
+
+    return attention
+
+
+def wrapper_types():
+    import comfy.patcher_extension
+
+    return comfy.patcher_extension.WrappersMP
+
+
+def set_wrappers(model, key: str, wrappers: dict[str, Callable]) -> None:
+    """Make ``wrappers`` ({WrappersMP attribute name: fn}) the only ones of ``key`` on ``model``."""
+    kinds = wrapper_types()
+    for name in dir(kinds):
+        if name.isupper():
+            model.remove_wrappers_with_key(getattr(kinds, name), key)
+    for name, fn in wrappers.items():
+        model.add_wrapper_with_key(getattr(kinds, name), key, fn)
+
+
+def patched_clone(model, key: str, wrappers: dict[str, Callable] | None = None):
+    """A clone of ``model`` whose wrappers under ``key`` are exactly ``wrappers``."""
+    clone = model.clone()
+    set_wrappers(clone, key, wrappers or {})
+    return clone
+
+
+def model_records(model_options: dict) -> list[dict]:
+    return model_options.setdefault(RECORDS_KEY, [])
+
+
+def record_model(model, node: str, requested: str, active: str, note: str = "") -> None:
+    record(model_records(model.model_options), node, requested, active, note)
+
+
+def record_in_run(node: str, requested: str, active: str, note: str = "") -> None:
+    """Update a record in the sampling run being profiled, for what only sampling finds out."""
+    run = active_run()
+    if run is not None:
+        record(run.optimizations, node, requested, active, note)
+
+
+# --- private copies of a diffusion model ---------------------------------------------------------
+
+
+def _static(obj, name: str):
+    """An attribute without triggering ``__getattr__`` (0.33's model config logs and returns None)."""
+    return inspect.getattr_static(obj, name, None)
+
+
+def refuse_quantized(model, input_name: str) -> None:
+    """A ``UserError`` when the model holds quantized weights, whose scales a dtype copy would drop."""
+    config = model.model.model_config
+    quantized = _static(config, "quant_config") is not None or _static(config, "scaled_fp8") is not None
+    quantized = quantized or any(
+        type(p) not in (torch.Tensor, torch.nn.Parameter) for p in model.model.diffusion_model.parameters()
+    )
+    if quantized:
+        raise UserError(
+            f"{input_name}: this model holds quantized weights (scaled fp8, int8, nvfp4...), and a dtype copy "
+            "would drop their scales; keep it at default (ComfyUI runs quantized checkpoints natively)"
+        )
+
+
+def _unload_everywhere(module: torch.nn.Module) -> None:
+    """Unload every patcher that has ``module`` loaded, so its weights are the unpatched originals."""
+    import comfy.model_management as mm
+
+    for loaded in list(mm.current_loaded_models):
+        if loaded.model is not None and loaded.model.model is module:
+            loaded.model_unload()
+            mm.current_loaded_models.remove(loaded)
+    if getattr(module, "current_weight_patches_uuid", None) is not None and not _has_dynamic_patcher(module):
+        raise RuntimeError("the model still has patched weights after unloading; cannot copy its original weights")
+
+
+def _has_dynamic_patcher(module) -> bool:
+    patcher = getattr(module, "current_patcher", None)
+    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+
+
+def _shallow_module_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module sharing ``module``'s attributes but with its own parameter, buffer and child
+    tables, so replacing a child on the copy leaves the original as it is."""
+    duplicate = module.__class__.__new__(module.__class__)
+    duplicate.__dict__.update(module.__dict__)
+    for table in ("_parameters", "_buffers", "_modules"):
+        duplicate.__dict__[table] = module.__dict__[table].copy()
+    return duplicate
+
+
+def rebased(patcher, module: torch.nn.Module):
+    """A patcher of ``module`` with ``patcher``'s recipe: patches, options, wrappers, callbacks.
+
+    Where ``clone`` takes a ``model_override`` (ComfyUI 0.33 and newer), ComfyUI builds it, as for
+    its multi-GPU copies, non-dynamic, with fresh backups and no factory that reloads the original.
+    Older ComfyUI: a new patcher gets every field of a clone that is not tied to the model.
+    """
+    parameters = inspect.signature(patcher.clone).parameters
+    if "model_override" in parameters:
+        backups = tuple(type(b)() for b in patcher.get_clone_model_override()[1])
+        options = {"disable_dynamic": True} if "disable_dynamic" in parameters else {}
+        clone = patcher.clone(model_override=(module, backups), **options)
+        clone.cached_patcher_init = None
+        return clone
+    clone = patcher.clone()
+    fresh = type(patcher)(module, patcher.load_device, patcher.offload_device, weight_inplace_update=patcher.weight_inplace_update)
+    tied = {"model", "size", "backup", "object_patches_backup", "hook_backup", "hook_patches_backup", "cached_hook_patches",
+            "patches_uuid", "parent", "is_injected", "pinned", "backup_buffers", "cached_patcher_init", "clone_base_uuid",
+            "non_dynamic_delegate_model", "_last_prepare_log_key"}
+    for name, value in vars(clone).items():
+        if name not in tied and name in vars(fresh):
+            setattr(fresh, name, value)
+    return fresh
+
+
+def private_copy(model, convert: Callable[[torch.nn.Module], torch.nn.Module]):
+    """A patcher with the recipe of ``model`` over a BaseModel whose diffusion model is
+    ``convert(original diffusion model)``; ``model`` and every clone of it are left as they are."""
+    import comfy.model_management as mm
+
+    base = model.model
+    _unload_everywhere(base)
+    copied = _shallow_module_copy(base)
+    copied.diffusion_model = convert(base.diffusion_model)
+    copied.current_patcher = None
+    if hasattr(mm, "archive_model_dtypes"):
+        mm.archive_model_dtypes(copied.diffusion_model)
+    return rebased(model, copied)
+
+
+def private_vae_copy(vae, convert: Callable[[torch.nn.Module], torch.nn.Module]):
+    """A copy of ``vae`` with its own ``convert``-ed weights and its own patcher."""
+    import comfy.model_management as mm
+
+    _unload_everywhere(vae.first_stage_model)
+    duplicate = copy_vae(vae)
+    duplicate.first_stage_model = convert(vae.first_stage_model)
+    if hasattr(mm, "archive_model_dtypes"):
+        mm.archive_model_dtypes(duplicate.first_stage_model)
+    duplicate.patcher = rebased(vae.patcher, duplicate.first_stage_model)
+    return duplicate
+
+
+# --- VAE copies ------------------------------------------------------------------------------------
+
+
+def copy_vae(vae):
+    """A shallow copy whose methods bound to ``vae`` (an earlier node's wrapper) are bound to the
+    copy, and whose records are its own."""
+    duplicate = copy.copy(vae)
+    for name, value in vars(vae).items():
+        if isinstance(value, types.MethodType) and value.__self__ is vae:
+            setattr(duplicate, name, types.MethodType(value.__func__, duplicate))
+    duplicate.sdopt_records = [dict(r) for r in getattr(vae, "sdopt_records", [])]
+    return duplicate
+
+
+def record_vae(vae, node: str, requested: str, active: str, note: str = "") -> None:
+    """File a record on a VAE copy; it reaches the report of every prompt that decodes or encodes with it."""
+    record(vae.sdopt_records, node, requested, active, note)
+
+
+def wrap_vae_methods(vae, wrap: Callable[[str, Callable], Callable]):
+    """A copy of ``vae`` whose decode/encode methods are ``wrap(name, inner)``, each call filing the
+    copy's records into the executing prompt first.
+
+    ``inner(self, *args, **kwargs)`` is what the method did before (ComfyUI's own, or an earlier
+    wrapper); ``wrap`` returns a function of the same form.
+    """
+    patched = copy_vae(vae)
+    for name in VAE_METHODS:
+        method = getattr(vae, name, None)
+        if method is not None:
+            setattr(patched, name, types.MethodType(_filing_records(wrap(name, method.__func__)), patched))
+    return patched
+
+
+def _filing_records(fn: Callable) -> Callable:
+    def call(self, *args, **kwargs):
+        for entry in self.sdopt_records:
+            record(prompt_log().records, **entry)
+        return fn(self, *args, **kwargs)
+
+    return call
+
+
+# --- the per-prompt context ------------------------------------------------------------------------
+
+
+def _executing_context():
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:
+        return None
+    return get_executing_context()
+
+
+def current_prompt_id() -> str:
+    """The id of the prompt being executed, from ComfyUI's execution context where it has one."""
+    context = _executing_context()
+    if context is not None:
+        return context.prompt_id
+    try:
+        from server import PromptServer
+    except ImportError:
+        return ""
+    return str(getattr(getattr(PromptServer, "instance", None), "last_prompt_id", None) or "")
+
+
+def current_node_id() -> str | None:
+    context = _executing_context()
+    return context.node_id if context is not None else None
+
+
+class PromptLog:
+    """A prompt's profiled runs and the records of what ran outside sampling (VAE)."""
+
+    def __init__(self):
+        self.runs: list[dict] = []
+        self.records: list[dict] = []
+
+
+_prompts: OrderedDict[str, PromptLog] = OrderedDict()
+
+
+def prompt_log(prompt_id: str | None = None) -> PromptLog:
+    prompt_id = current_prompt_id() if prompt_id is None else prompt_id
+    if prompt_id not in _prompts:
+        _prompts[prompt_id] = PromptLog()
+        while len(_prompts) > _KEPT_PROMPTS:
+            _prompts.popitem(last=False)
+    return _prompts[prompt_id]
+
+
+HANDLER_NAME = "sdopt.node_timing"
+
+
+def _progress():
+    try:
+        from comfy_execution import progress
+    except ImportError:
+        return None
+    return progress
+
+
+def _timing_handler_class(progress):
+    class NodeTimingHandler(progress.ProgressHandler):
+        """Records each executed node's wall time and peak memory (cached nodes never start)."""
+
+        def __init__(self, device):
+            super().__init__(HANDLER_NAME)
+            self.memory = PeakMemory(device)
+            self._started: dict[str, float] = {}
+            self._class_types: dict[str, str] = {}
+            self.nodes: list[dict] = []
+
+        def set_registry(self, registry):
+            prompt = registry.dynprompt.original_prompt
+            self._class_types = {node_id: node["class_type"] for node_id, node in prompt.items()}
+
+        def start_handler(self, node_id, state=None, prompt_id=None):
+            self.memory.reset()
+            self._started[node_id] = time.perf_counter()
+
+        def finish_handler(self, node_id, state, prompt_id):
+            started = self._started.pop(node_id, None)
+            if started is not None:
+                seconds = time.perf_counter() - started
+                peak = self.memory.read().peak_bytes
+                self.nodes.append({"id": str(node_id), "class_type": self._class_types.get(node_id, "?"),
+                                   "seconds": seconds, "peak_memory_bytes": peak})
+
+    return NodeTimingHandler
+
+
+def _timing_handler(prompt_id: str):
+    progress = _progress()
+    if progress is None:
+        return None
+    registry = progress.get_progress_state()
+    return registry.handlers.get(HANDLER_NAME) if registry.prompt_id == prompt_id else None
+
+
+def install_node_timer(prompt_id: str, executing_node: str | None = None) -> bool:
+    """Time the running prompt's nodes from now on, ``executing_node`` included.
+
+    ComfyUI replaces its progress registry with every prompt, so this runs per prompt: from the
+    profiler node, the profiled sampler and the headless runner. False where this ComfyUI cannot
+    tell when nodes start and finish.
+    """
+    progress = _progress()
+    if progress is None or progress.get_progress_state().prompt_id != prompt_id:
+        return False
+    if _timing_handler(prompt_id) is None:
+        import comfy.model_management
+
+        handler = _timing_handler_class(progress)(comfy.model_management.get_torch_device())
+        progress.add_progress_handler(handler)
+        if executing_node is not None:
+            handler.start_handler(executing_node)
+    return True
+
+
+def node_timings(prompt_id: str) -> list[dict]:
+    """The nodes of this prompt finished so far, in execution order."""
+    handler = _timing_handler(prompt_id)
+    return list(handler.nodes) if handler is not None else []
+
+
+def comfyui_version() -> str | None:
+    try:
+        from comfyui_version import __version__
+    except ImportError:
+        return None
+    return __version__

@@ -1,0 +1,90 @@
+"""SDOptProfileReport (output node): the prompt's profile as a table and a chart, saved as JSON.
+
+The report is built once, here, and written once: the JSON and the chart go to the output folder,
+and the report reaches the browser widget (web/sdopt.js) and the headless runner as one
+``sdopt.report`` event, so the queue shows only the chart and no empty output cards. When ComfyUI
+served the sampling from its cache, the node shows the last real figures it reported, marked cached.
+"""
+import os
+
+from ..errors import UserError
+from ..measure.report import Report, device_name
+from . import glue
+
+NODE = "SDOptProfileReport"
+EVENT = "sdopt.report"
+_last_sampled: dict[str, Report] = {}
+
+
+def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
+    import comfy.model_management
+
+    log = glue.prompt_log(prompt_id)
+    report = Report(device=device_name(comfy.model_management.get_torch_device()), comfyui=glue.comfyui_version(),
+                    runs=list(log.runs), nodes=glue.node_timings(prompt_id), optimizations=list(log.records))
+    profiled = any(node.get("class_type") == "SDOptProfiler" for node in (prompt or {}).values())
+    if report.runs or not profiled:
+        _last_sampled[node_id] = report
+    elif node_id in _last_sampled:
+        report = Report.from_dict(_last_sampled[node_id].to_dict())
+        report.cached = True
+        report.notes = ["No sampling ran in this prompt: ComfyUI reused cached results. These are the last real "
+                        "figures of this node; change the seed or another sampler input to profile again."]
+    else:
+        report.notes.append("No sampling ran in this prompt: ComfyUI reused cached results. "
+                            "Change the seed or another sampler input to profile again.")
+    return report
+
+
+def send(event: str, data: dict) -> None:
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is not None:
+        server.send_sync(event, data, getattr(server, "client_id", None))
+
+
+class SDOptProfileReport:
+    DESCRIPTION = (
+        "Shows the profile of this prompt's sampling runs as a table and a chart, and saves the JSON report in the "
+        "output folder. Connect the decoded images (or the sampled latent) so it runs after sampling. It re-runs on "
+        "every queue."
+    )
+    CATEGORY = "sdopt"
+    RETURN_TYPES = ()
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {"filename_prefix": ("STRING", {"default": "sdopt/profile", "tooltip": "Where the JSON report and the chart are saved, under the output folder."})},
+            "optional": {
+                "images": ("IMAGE", {"tooltip": "Connect after VAEDecode so the report covers the whole run."}),
+                "latent": ("LATENT", {"tooltip": "Or connect the sampler's LATENT."}),
+            },
+            "hidden": {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"},
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")
+
+    def report(self, filename_prefix, images=None, latent=None, prompt=None, unique_id=None):
+        if images is None and latent is None:
+            raise UserError("images: connect 'images' (from VAEDecode) or 'latent' (from the sampler) so the report runs after sampling")
+        import folder_paths
+
+        report = build_report(glue.current_prompt_id(), str(unique_id), prompt)
+        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory())
+        base = f"{name}_{counter:05}_"
+        chart = report.save_chart(os.path.join(folder, base + ".png"))
+        report.save_json(os.path.join(folder, base + ".json"))
+        entry = {"subfolder": subfolder, "type": "output"}
+        images = [{**entry, "filename": base + ".png"}] if chart else []
+        send(EVENT, {"node": str(unique_id), "report": report.to_dict(), "table": report.markdown(),
+                     "json": {**entry, "filename": base + ".json"}, "chart": images[0] if images else None,
+                     "path": os.path.join(folder, base + ".json")})
+        return {"ui": {"images": images}}

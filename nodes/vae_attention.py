@@ -1,0 +1,72 @@
+"""SDOptVAEAttention (VAE → VAE): the VAE's attention blocks through an sdopt backend.
+
+The VAE's ``AttnBlock``s call their own ``optimized_attention``, chosen at construction, which the
+per-model override never reaches. The node returns a VAE copy whose decode/encode set it on the
+shared blocks for the duration of the call and restore it afterwards; when patched copies are
+chained, the outermost call (the node furthest downstream) decides.
+"""
+import contextlib
+
+from ..measure.record import record
+from ..optim.attention import build_attention, channel_attention, summarize_decisions
+from . import glue
+from .attention import attention_inputs, configure
+
+NODE = "SDOptVAEAttention"
+_MARK = "_sdopt_vae_attention"
+
+
+def attention_blocks(vae) -> list:
+    """The VAE modules that carry their own ``optimized_attention`` (ComfyUI's ``AttnBlock``)."""
+    return [module for module in vae.first_stage_model.modules() if "optimized_attention" in vars(module)]
+
+
+@contextlib.contextmanager
+def patched_blocks(blocks: list, fn):
+    saved = [(block, block.optimized_attention) for block in blocks if not getattr(block.optimized_attention, _MARK, False)]
+    for block, _ in saved:
+        block.optimized_attention = fn
+    try:
+        yield
+    finally:
+        for block, original in saved:
+            block.optimized_attention = original
+
+
+class SDOptVAEAttention:
+    DESCRIPTION = (
+        "Runs the VAE's attention blocks through an sdopt backend during its decode and encode (tiled too), e.g. "
+        "sub_quadratic or sliced to bound the memory of large decodes. Returns a patched copy; the input VAE keeps "
+        "its attention. The backends and fallback rule are those of sdopt Attention."
+    )
+    CATEGORY = "sdopt"
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return attention_inputs("vae", "VAE")
+
+    def patch(self, vae, backend, on_unavailable, slice_size, memory_budget_mb):
+        if not attention_blocks(vae):
+            out = glue.wrap_vae_methods(vae, lambda _name, inner: inner)
+            glue.record_vae(out, NODE, backend, "none", "this VAE has no attention blocks; nothing to patch")
+            return (out,)
+        config, active, note = configure(backend, on_unavailable, slice_size, memory_budget_mb, getattr(vae, "device", None))
+        attention = build_attention(config)
+        fn = channel_attention(attention)
+        setattr(fn, _MARK, True)
+
+        def wrap(_name, inner):
+            def call(self, *args, **kwargs):
+                with patched_blocks(attention_blocks(self), fn):
+                    output = inner(self, *args, **kwargs)
+                if attention.decisions:
+                    record(glue.prompt_log().records, NODE, backend, *summarize_decisions(attention.decisions))
+                return output
+
+            return call
+
+        out = glue.wrap_vae_methods(vae, wrap)
+        glue.record_vae(out, NODE, backend, active, note)
+        return (out,)

@@ -1,0 +1,89 @@
+"""SDOptVAEPrecision (VAE → VAE): the VAE's dtype, on a copy, and a NaN guard.
+
+The guard redoes a decode or encode whose output has NaN/Inf (the fp16 black image) in a safer
+dtype, with weights converted from the node's input VAE, and counts every redo in the report.
+"""
+from collections import Counter
+
+import torch
+
+from ..errors import UserError
+from ..measure.profiler import format_mib
+from ..measure.record import record
+from ..optim.precision import AUTO, COMPUTE_DTYPES, check_compute_dtype, converted_copy, dtype_name, parse_dtype, pick_dtype, run_with_nan_guard, safe_dtype, weight_bytes
+from . import glue
+from .glue import DEFAULT
+
+NODE = "SDOptVAEPrecision"
+
+
+def _in_dtype(vae, dtype: torch.dtype):
+    copied = glue.private_vae_copy(vae, lambda module: converted_copy(module, dtype))
+    copied.vae_dtype = dtype
+    return copied
+
+
+def _guarded(vae, source, requested: str, active: str):
+    """``vae`` with decode/encode redone in a safer dtype on NaN/Inf; VAEs in those dtypes come from ``source``."""
+    safe_vaes, tally = {source.vae_dtype: source}, {}
+
+    def wrap(method, inner):
+        def guarded(self, *args, **kwargs):
+            result = run_with_nan_guard(
+                lambda: inner(self, *args, **kwargs),
+                lambda dtype: getattr(safe_vaes.get(dtype) or safe_vaes.setdefault(dtype, _in_dtype(source, dtype)), method)(*args, **kwargs),
+                self.vae_dtype, self.device)
+            if result.redone or not result.finite:
+                counts = tally.setdefault(glue.current_prompt_id(), Counter())
+                counts[(f"redid {{}} in {dtype_name(result.redone_in[-1])}" if result.redone else "could not redo {}", method.split("_")[0])] += 1
+                done = "; ".join(text.format(f"{n} {op}{'s' * (n > 1)}") for (text, op), n in sorted(counts.items()))
+                record(glue.prompt_log().records, NODE, requested, f"{active} (NaN guard {done})", f"last {method}: {result.describe()}")
+            return result.output
+        return guarded
+
+    return glue.wrap_vae_methods(vae, wrap)
+
+
+class SDOptVAEPrecision:
+    DESCRIPTION = (
+        "VAE dtype and NaN guard, on a copy: the input VAE is never changed. auto: fp16 on CUDA (with the guard), on a "
+        "CPU bf16 where it measured faster than fp32, else fp32. nan_guard redoes any decode/encode whose output has "
+        "NaN/Inf in bf16 where the device runs it, else fp32, and the report counts the redone calls."
+    )
+    CATEGORY = "sdopt"
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "vae": ("VAE", {"tooltip": "The VAE to patch; it is never changed, the node returns a patched copy."}),
+            "dtype": ([AUTO, DEFAULT, *COMPUTE_DTYPES], {"default": AUTO, "tooltip": (
+                "The VAE's dtype. auto: fp16 on CUDA, on a CPU bf16 where it measured faster than fp32, else fp32. "
+                "default: as loaded.")}),
+            "nan_guard": ("BOOLEAN", {"default": True, "tooltip": "Redo a decode/encode whose output has NaN/Inf in a safer dtype (bf16, else fp32)."}),
+        }}
+
+    def apply(self, vae, dtype, nan_guard):
+        if getattr(vae, "first_stage_model", None) is None:
+            raise UserError("vae: this VAE has no weights (the checkpoint holds no VAE); load one with a VAE loader")
+        notes = []
+        if dtype == AUTO:
+            pick = pick_dtype(vae.device)
+            target = pick.dtype
+            notes.append(f"auto: {pick.reason}")
+        else:
+            target = vae.vae_dtype if dtype == DEFAULT else parse_dtype(dtype, "dtype", COMPUTE_DTYPES)
+        check_compute_dtype(target, vae.device, "dtype")
+        out = glue.copy_vae(vae) if target == vae.vae_dtype else _in_dtype(vae, target)
+        if out.first_stage_model is not vae.first_stage_model:
+            before, after = weight_bytes(vae.first_stage_model), weight_bytes(out.first_stage_model)
+            notes.append(f"VAE weights {format_mib(before)} → {format_mib(after)} MiB in a copy; the input VAE is unchanged")
+        requested, active = f"dtype={dtype}, nan_guard={'on' if nan_guard else 'off'}", dtype_name(target)
+        if nan_guard:
+            safer = safe_dtype(target, vae.device)
+            active += f" (NaN guard redoes NaN/Inf in {dtype_name(safer)})" if safer else ""
+            notes += [] if safer else ["the NaN guard can only report NaN/Inf: nothing is safer than fp32"]
+            out = _guarded(out, vae, requested, active)
+        glue.record_vae(out, NODE, requested, active, "; ".join(notes))
+        return (out,)

@@ -1,0 +1,152 @@
+"""Automatic attention selection: per input signature, time every available backend on the real
+inputs, turn down any whose output differs from ``naive`` beyond the dtype's tolerance, and keep
+the fastest. ``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+from .attention import (
+    AUTO,
+    DEFAULT_MEMORY_BUDGET_BYTES,
+    TOLERANCE_FP32,
+    TOLERANCES,
+    AttentionConfig,
+    AttentionDecision,
+    AttentionFn,
+    Tolerance,
+    _compute_dtype,
+    _dtype_name,
+    _mask_view,
+    _PerSignature,
+    available,
+    backend_names,
+    naive_attention,
+    sliced_slice_size,
+)
+
+AUTO_REPEATS = 3
+
+# --- checking and timing -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReferenceCheck:
+    max_abs_error: float
+    ok: bool
+    reason: str = ""
+
+
+def check_against_naive(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    tolerance: Tolerance | None = None,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+) -> ReferenceCheck:
+    """Compare ``out`` with ``naive`` on every query row, one block of rows at a time so the
+    reference never holds the full score matrix. The tolerance defaults to the dtype's."""
+    tolerance = tolerance or TOLERANCES.get(q.dtype, TOLERANCE_FP32)
+    expected = (*q.shape[:3], v.shape[-1])
+    if tuple(out.shape) != expected:
+        return ReferenceCheck(math.inf, False, f"output shape {list(out.shape)} instead of {list(expected)}")
+    batch, heads, q_tokens, _ = q.shape
+    block = sliced_slice_size(batch * heads, k.shape[2], _compute_dtype(q.dtype).itemsize, memory_budget_bytes)
+    worst, within = 0.0, True
+    for i in range(0, q_tokens, block):
+        rows = slice(i, i + block)
+        reference = naive_attention(q[:, :, rows], k, v, None if mask is None else _mask_view(mask, queries=rows)).float()
+        got = out[:, :, rows].float()
+        error = (got - reference).abs()
+        # NaN where the reference has NaN too (fully masked rows) is agreement; elsewhere it is wrong.
+        error = torch.where(reference.isnan() & got.isnan(), 0.0, error.nan_to_num(nan=math.inf))
+        worst = max(worst, error.max().item())
+        within = within and bool((error <= tolerance.atol + tolerance.rtol * reference.abs().nan_to_num()).all())
+    if within:
+        return ReferenceCheck(worst, True)
+    return ReferenceCheck(
+        worst, False, f"max abs error {worst:.2e} vs naive exceeds the {_dtype_name(q.dtype)} tolerance ({tolerance.describe()})"
+    )
+
+
+def time_attention(
+    fn: AttentionFn,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    repeats: int = AUTO_REPEATS,
+) -> list[float]:
+    """Seconds of each of ``repeats`` calls, the device synchronized around each so queued work counts."""
+    synchronize = torch.cuda.synchronize if q.device.type == "cuda" else (lambda: None)
+    seconds = []
+    for _ in range(repeats):
+        synchronize()
+        started = time.perf_counter()
+        fn(q, k, v, mask)
+        synchronize()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+
+class AutoAttention(_PerSignature):
+    """Times every available backend on the first real inputs of each signature and keeps the
+    fastest whose output matches ``naive`` within the dtype's tolerance.
+
+    ``candidates`` defaults to every registered backend at the time of the decision.
+    """
+
+    def __init__(
+        self,
+        config: AttentionConfig | None = None,
+        on_decision: Callable[[AttentionDecision], None] | None = None,
+        candidates: tuple[str, ...] | None = None,
+        repeats: int = AUTO_REPEATS,
+    ):
+        super().__init__(config or AttentionConfig(backend=AUTO), on_decision)
+        self.candidates = candidates
+        self.repeats = repeats
+
+    def _decide(self, key, q, k, v, mask) -> AttentionDecision:
+        times: dict[str, float] = {}
+        rejected: dict[str, str] = {}
+        for name in self.candidates or backend_names():
+            verdict = available(name, q, k, v, mask)
+            if not verdict.ok:
+                rejected[name] = verdict.reason
+                continue
+            fn = self._function(name)
+            try:
+                check = check_against_naive(fn(q, k, v, mask), q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes)
+                if not check.ok:
+                    rejected[name] = check.reason
+                    continue
+                times[name] = statistics.median(time_attention(fn, q, k, v, mask, self.repeats))
+            except Exception as error:  # a backend that cannot run these inputs is turned down, not fatal
+                rejected[name] = f"failed: {type(error).__name__}: {_first_line(error)}"
+        if not times:
+            details = "; ".join(f"{name}: {reason}" for name, reason in rejected.items())
+            raise UserError(f"auto attention found no backend for {key} ({details})")
+        picked = min(times, key=times.__getitem__)
+        return AttentionDecision(key, AUTO, picked, _auto_note(key, picked, times), times, rejected)
+
+
+def _auto_note(key: str, picked: str, times: dict[str, float]) -> str:
+    ranked = sorted(times.items(), key=lambda item: item[1])
+    others = ", ".join(f"{name} {seconds * 1e3:.3g}" for name, seconds in ranked if name != picked)
+    note = f"{key}: {picked} {times[picked] * 1e3:.3g} ms"
+    return f"{note} (then {others})" if others else note
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).splitlines()
+    return lines[0] if lines else ""
