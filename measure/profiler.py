@@ -179,6 +179,10 @@ class SamplingRun:
         self._timeline.mark()
         self._finished = True
 
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
     def result(self) -> RunResult:
         if not self._finished:
             raise RuntimeError(f"run {self.label!r} has not finished")

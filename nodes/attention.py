@@ -77,11 +77,13 @@ class SDOptAttention:
             glue.record_model(m, NODE, backend, "ComfyUI default", "fallback: this ComfyUI has no per-model attention override (0.3.60+)")
             return (m,)
         config, active, note = configure(backend, on_unavailable, slice_size, memory_budget_mb, model.load_device)
-        attention, reported = build_attention(config), {"state": None, "delegated": False}
+        attention, reported = build_attention(config), {"state": None, "delegated_in": None}
 
         def report(delegated=False):
-            reported["delegated"] |= delegated
-            state = (glue.active_run(), len(attention.decisions), reported["delegated"])
+            run = glue.active_run()
+            if delegated:
+                reported["delegated_in"] = run
+            state = (run, len(attention.decisions), reported["delegated_in"] is run)
             if state != reported["state"] and (state[1] or state[2]):
                 picked, why = summarize_decisions(attention.decisions) if state[1] else ("ComfyUI's own", "")
                 glue.record_in_run(NODE, backend, picked, "; ".join(filter(None, [why, DELEGATED if state[2] else ""])))

@@ -144,6 +144,7 @@ def rebased(patcher, module: torch.nn.Module):
         options = {"disable_dynamic": True} if "disable_dynamic" in parameters else {}
         clone = patcher.clone(model_override=(module, backups), **options)
         clone.cached_patcher_init = None
+        clone.size = 0  # clone() passed the original's size; model_size() measures the copy instead
         return clone
     clone = patcher.clone()
     fresh = type(patcher)(module, patcher.load_device, patcher.offload_device, weight_inplace_update=patcher.weight_inplace_update)

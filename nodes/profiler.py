@@ -20,7 +20,8 @@ def _outer_sample(label: str):
         run = SamplingRun(label, guider.model_patcher.load_device, glue.model_records(guider.model_options))
         with run.memory_scope():
             output = executor(*args, **kwargs)
-        glue.prompt_log(prompt_id).runs.append(run.result().to_dict())
+        if run.finished:  # a guider that never calls the sampler wrapper leaves nothing to report
+            glue.prompt_log(prompt_id).runs.append(run.result().to_dict())
         return output
 
     return outer_sample

@@ -84,6 +84,8 @@ class SDOptVAEPrecision:
             safer = safe_dtype(target, vae.device)
             active += f" (NaN guard redoes NaN/Inf in {dtype_name(safer)})" if safer else ""
             notes += [] if safer else ["the NaN guard can only report NaN/Inf: nothing is safer than fp32"]
-            out = _guarded(out, vae, requested, active)
+            out = _guarded(out, vae, requested, dtype_name(target))
+        else:  # a copy whose decode/encode file its record into the prompt, as the guarded one does
+            out = glue.wrap_vae_methods(out, lambda _name, inner: inner)
         glue.record_vae(out, NODE, requested, active, "; ".join(notes))
         return (out,)

@@ -248,11 +248,12 @@ def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = 
     for p in module.parameters():
         if p.is_floating_point():
             memo[id(p)] = nn.Parameter(
-                p.detach().to(dtype=dtype, memory_format=_memory_format(p, channels_last)), requires_grad=p.requires_grad
+                p.detach().to(dtype=dtype, memory_format=_memory_format(p, channels_last), copy=True),
+                requires_grad=p.requires_grad,
             )
     for b in module.buffers():
         if b.is_floating_point():
-            memo[id(b)] = b.detach().to(dtype=dtype, memory_format=_memory_format(b, channels_last))
+            memo[id(b)] = b.detach().to(dtype=dtype, memory_format=_memory_format(b, channels_last), copy=True)
     return copy.deepcopy(module, memo)
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from sdopt.optim.modelgen import diffusers_unet_config
+from sdopt.tools.modelgen import diffusers_unet_config
 
 
 @pytest.fixture()

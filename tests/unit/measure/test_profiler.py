@@ -1,9 +1,10 @@
-"""Profiler core on CPU: step bookkeeping, peak RSS with reset, optimization notes."""
+"""Profiler core on CPU: step bookkeeping, peak RSS with reset, records filed in the active run."""
 import pytest
 import torch
 
-from sdopt.optim import profiler
-from sdopt.optim.profiler import MEMORY_RAM, PeakMemory, SamplingRun, note_optimization, steady_it_per_s
+from sdopt.measure import profiler
+from sdopt.measure.profiler import MEMORY_LABELS, MEMORY_RAM, MEMORY_VRAM, PeakMemory, SamplingRun, format_mib, steady_it_per_s
+from sdopt.measure.record import record
 
 MIB = 1024 * 1024
 
@@ -64,19 +65,48 @@ def test_peak_rss_sees_an_allocation_and_resets():
     assert peak - after_reset >= 200 * MIB, "reset must drop the high-water mark back to the current RSS"
 
 
-def test_notes_reach_only_the_active_run():
-    note_optimization("SDOptAttention", "auto", "ignored")  # no run active: a no-op
+def test_records_filed_in_a_run_replace_per_node_and_leave_the_seed():
     seed = [{"node": "SDOptAttention", "requested": "auto", "active": "pending", "note": ""}]
     run = SamplingRun("r", "cpu", seed)
+    assert profiler.active_run() is None
     with run.memory_scope():
-        assert profiler.active_run() is run
-        note_optimization("SDOptAttention", "auto", "sdpa", "picked by timing")
-        note_optimization("SDOptPrecision", "weight=fp16", "weight=fp16")
+        active = profiler.active_run()
+        assert active is run
+        record(active.optimizations, "SDOptAttention", "auto", "sdpa", "picked by timing")
+        record(active.optimizations, "SDOptPrecision", "weight=fp16", "weight=fp16")
+        record(active.optimizations, "SDOptAttention", "auto", "sliced", "second decision")
         run.start()
         run.finish()
     assert profiler.active_run() is None
     assert run.result().optimizations == [
-        {"node": "SDOptAttention", "requested": "auto", "active": "sdpa", "note": "picked by timing"},
         {"node": "SDOptPrecision", "requested": "weight=fp16", "active": "weight=fp16", "note": ""},
-    ]
-    assert seed[0]["active"] == "pending", "the records the run was seeded with stay untouched"
+        {"node": "SDOptAttention", "requested": "auto", "active": "sliced", "note": "second decision"},
+    ], "one record per node: the later record of a node replaces the earlier one"
+    assert seed == [{"node": "SDOptAttention", "requested": "auto", "active": "pending", "note": ""}], (
+        "the records the run was seeded with stay untouched"
+    )
+
+
+def test_result_records_are_copies():
+    run = _run(1, optimizations=[{"node": "N", "requested": "a", "active": "b", "note": ""}])
+    first = run.result().optimizations
+    first[0]["active"] = "changed"
+    assert run.result().optimizations[0]["active"] == "b"
+
+
+def test_memory_scope_restores_the_outer_run():
+    outer, inner = SamplingRun("outer", "cpu"), SamplingRun("inner", "cpu")
+    with outer.memory_scope():
+        with inner.memory_scope():
+            assert profiler.active_run() is inner
+        assert profiler.active_run() is outer
+    assert profiler.active_run() is None
+
+
+def test_format_mib_and_labels():
+    assert format_mib(None) == "-"
+    assert format_mib(0) == "0.0"
+    assert format_mib(1536 * MIB) == "1,536.0"
+    assert format_mib(MIB // 2) == "0.5"
+    assert MEMORY_LABELS == {MEMORY_VRAM: "VRAM", MEMORY_RAM: "RAM"}
+    assert PeakMemory("cpu").kind == MEMORY_RAM and PeakMemory("cuda:0").kind == MEMORY_VRAM

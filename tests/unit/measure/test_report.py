@@ -1,14 +1,17 @@
-"""Report: JSON schema (as documented), markdown table, PNG chart."""
+"""Report: JSON schema 2 (as documented), markdown table, PNG chart, and the chart-less fallback."""
+import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from sdopt.optim.profiler import SamplingRun
-from sdopt.optim.report import Report, SCHEMA_VERSION
+from sdopt.measure import report as report_module
+from sdopt.measure.profiler import SamplingRun
+from sdopt.measure.report import CHART_MISSING, SCHEMA_VERSION, Report, markdown_table
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "report-schema.md"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture()
@@ -23,14 +26,16 @@ def report():
             run.finish()
         runs.append(run.result().to_dict())
     nodes = [{"id": "3", "class_type": "KSampler", "seconds": 1.5, "peak_memory_bytes": 10 * 2**20}]
-    notes = [{"node": "SDOptVAEPrecision", "requested": "fp16+guard", "active": "bf16", "note": "redid 1 decode"}]
-    return Report(device="cpu", comfyui="0.3.64", runs=runs, nodes=nodes, optimizations=notes)
+    records = [{"node": "SDOptVAEPrecision", "requested": "fp16+guard", "active": "bf16", "note": "redid 1 decode"}]
+    return Report(device="cpu", comfyui="0.3.64", runs=runs, nodes=nodes, optimizations=records, notes=["a note"])
 
 
 def test_json_has_the_documented_fields_and_types(report, tmp_path):
     data = json.loads(report.save_json(tmp_path / "sub" / "r.json").read_text())
-    assert data["sdopt_report"] == SCHEMA_VERSION
+    assert SCHEMA_VERSION == 2 and data["sdopt_report"] == 2
     assert isinstance(data["device"], str) and isinstance(data["torch"], str) and data["comfyui"] == "0.3.64"
+    assert data["cached"] is False and data["notes"] == ["a note"]
+    assert "note" not in data, "schema 1's single note is gone"
     run = data["runs"][0]
     assert run["label"] == "baseline" and len(run["steps"]) == 3
     for key in ("sampler_total_s", "first_step_s", "steady_it_per_s"):
@@ -39,38 +44,116 @@ def test_json_has_the_documented_fields_and_types(report, tmp_path):
     assert set(run["steps"][0]) == {"index", "seconds"}
     assert set(run["optimizations"][0]) == {"node", "requested", "active", "note"}
     assert set(data["nodes"][0]) == {"id", "class_type", "seconds", "peak_memory_bytes"}
+    assert set(data["optimizations"][0]) == {"node", "requested", "active", "note"}
     assert Report.from_dict(data).to_dict() == data
     assert not list(tmp_path.glob("sub/*.tmp"))
+
+
+def test_cached_round_trips_and_defaults_to_false(report):
+    report.cached = True
+    data = report.to_dict()
+    assert data["cached"] is True
+    again = Report.from_dict(data)
+    assert again.cached is True and again.notes == ["a note"]
+    minimal = {"sdopt_report": SCHEMA_VERSION, "device": "cpu", "torch": "2.x"}
+    bare = Report.from_dict(minimal)
+    assert (bare.cached, bare.notes, bare.runs, bare.nodes, bare.optimizations, bare.comfyui) == (False, [], [], [], [], None)
+
+
+def test_from_dict_copies_its_lists(report):
+    data = report.to_dict()
+    again = Report.from_dict(data)
+    again.notes.append("more")
+    again.runs.append({})
+    assert data["notes"] == ["a note"] and len(data["runs"]) == 2
 
 
 def test_schema_doc_names_every_field(report):
     documented = set(re.findall(r"`([a-z_]+)`", DOC.read_text()))
     data = report.to_dict()
     fields = set(data) | set(data["runs"][0]) | set(data["runs"][0]["steps"][0]) | set(data["nodes"][0])
-    fields |= set(data["runs"][0]["optimizations"][0])
+    fields |= set(data["runs"][0]["optimizations"][0]) | set(data["optimizations"][0])
+    assert {"cached", "notes"} <= fields
     assert fields <= documented, f"undocumented: {fields - documented}"
+    assert f"version {SCHEMA_VERSION}" in DOC.read_text()
 
 
-def test_markdown_lists_runs_optimizations_and_nodes(report):
+def test_markdown_lists_notes_runs_optimizations_and_nodes(report):
     text = report.markdown()
+    lines = text.splitlines()
+    assert lines[0] == f"sdopt profile: device cpu, torch {report.torch}, ComfyUI 0.3.64"
+    assert lines[2] == "a note", "notes come right after the header line"
     assert "| baseline | 3 |" in text and "| fp16 | 2 |" in text
     assert "(RAM)" in text and "VRAM" not in text
     assert "| baseline | SDOptAttention | auto | sdpa | x |" in text
+    assert "| fp16 | SDOptAttention | auto | sdpa | x |" in text
     assert "| (outside sampling) | SDOptVAEPrecision | fp16+guard | bf16 | redid 1 decode |" in text
     assert "| 3 | KSampler | 1.500 | 10.0 |" in text
 
 
+def test_markdown_tables_right_align_the_numbers(report):
+    lines = report.markdown().splitlines()
+    rules = [line for line in lines if line.startswith("| ---")]
+    assert rules == [
+        "| --- | ---: | ---: | ---: | ---: | ---: |",  # runs: label left, numbers right
+        "| --- | --- | --- | --- | --- |",  # records: text
+        "| --- | --- | ---: | ---: |",  # nodes: id and class left, seconds and memory right
+    ]
+
+
+def test_markdown_table_alignment_and_cells():
+    assert markdown_table(["a", "b", "c"], [[1, "x", 2.5], ["y", None, 0]], right={0, 2}) == [
+        "| a | b | c |",
+        "| ---: | --- | ---: |",
+        "| 1 | x | 2.5 |",
+        "| y | None | 0 |",
+    ]
+    assert markdown_table(["only"], []) == ["| only |", "| --- |"]
+
+
 def test_empty_report_says_what_is_missing():
-    assert "No sampling run was profiled" in Report(device="cpu").markdown()
-    cached = Report(device="cpu", note="No sampling ran in this prompt: ComfyUI reused cached results.")
-    assert cached.markdown().splitlines()[2:] == [cached.note]
+    assert Report(device="cpu").markdown().splitlines() == [
+        f"sdopt profile: device cpu, torch {Report(device='cpu').torch}, ComfyUI -",
+        "",
+        "No sampling run was profiled (is SDOptProfiler on the MODEL path?).",
+    ]
+    cached = Report(device="cpu", notes=["No sampling ran in this prompt: ComfyUI reused cached results."])
+    assert cached.markdown().splitlines()[2:4] == [cached.notes[0], ""]
 
 
 def test_chart_is_a_png(report, tmp_path):
-    path = report.save_chart(tmp_path / "chart.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    path = report.save_chart(tmp_path / "deeper" / "chart.png")
+    assert path == tmp_path / "deeper" / "chart.png"
+    assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000
+    assert CHART_MISSING not in report.notes
+
+
+def test_chart_of_a_cached_report_without_nodes_or_runs(tmp_path):
+    path = Report(device="cpu", cached=True).save_chart(tmp_path / "empty.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_without_matplotlib_the_chart_is_a_note(report, tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    asked = []
+
+    def find_spec(name, *args, **kwargs):
+        asked.append(name)
+        return None if name == "matplotlib" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(report_module.importlib.util, "find_spec", find_spec)
+    assert report.save_chart(tmp_path / "chart.png") is None
+    assert report.save_chart(tmp_path / "chart.png") is None
+    assert "matplotlib" in asked
+    assert CHART_MISSING == "chart not drawn: matplotlib is not installed (pip install matplotlib)"
+    assert report.notes == ["a note", CHART_MISSING], "the note is added once"
+    assert not (tmp_path / "chart.png").exists()
+    assert CHART_MISSING in report.markdown().splitlines()
+    assert report.to_dict()["notes"][-1] == CHART_MISSING
 
 
 def test_from_dict_rejects_other_json():
     with pytest.raises(ValueError, match="not an sdopt report"):
         Report.from_dict({"hello": 1})
+    with pytest.raises(ValueError, match="not an sdopt report"):
+        Report.from_dict({"sdopt_report": 1, "device": "cpu", "torch": "x"})

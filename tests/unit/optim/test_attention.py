@@ -1,18 +1,21 @@
-"""Attention backends on CPU: each one against naive, masks, availability reasons, fallback, auto."""
+"""Attention backends on CPU: each one against naive, masks, availability reasons, fallback, auto,
+the layout adapters, and the rule that optim/ never imports a host or the measurement code."""
+import ast
 import dataclasses
 import math
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from sdopt.errors import UserError
 from sdopt.optim import attention as A
+from sdopt.optim import attention_auto
 from sdopt.optim.attention import (
     AUTO,
     AttentionConfig,
-    AutoAttention,
     Backend,
     Limits,
     NamedAttention,
@@ -29,6 +32,7 @@ from sdopt.optim.attention import (
     summarize_decisions,
     unregister_backend,
 )
+from sdopt.optim.attention_auto import AUTO_REPEATS, AutoAttention, check_against_naive, time_attention
 
 # Largest |backend - naive| accepted here, per input dtype. Measured: fp32 stays near 1e-6;
 # bf16 near 8e-3 (one bf16 ulp at |out| ~ 1-2, from SDPA's bf16 matmuls).
@@ -290,7 +294,7 @@ def test_auto_picks_the_fastest_by_median(registered, monkeypatch):
     for name in seconds:
         registered(_counting(name, naive_attention, []))
     names_by_fn = {get_backend(name).fn: name for name in seconds}
-    monkeypatch.setattr(A, "time_attention", lambda fn, *args, **kwargs: seconds[names_by_fn[fn]])
+    monkeypatch.setattr(attention_auto, "time_attention", lambda fn, *args, **kwargs: seconds[names_by_fn[fn]])
     attention = AutoAttention(candidates=("slow", "steady", "spiky"))
     q, k, v = _qkv(1, 2, 8, 8, 16)
     attention(q, k, v)
@@ -375,3 +379,232 @@ def test_xformers_adapter_builds_an_aligned_bias(fake_packages):
     out = A.xformers_attention(q, k, v, mask)
     assert fake_packages["bias"].dtype == q.dtype
     assert _max_error(out, q, k, v, mask) <= ATOL[torch.float32]
+
+
+# -- checking against naive and timing (attention_auto) ------------------------------------------
+
+
+def test_check_against_naive_accepts_the_reference_and_names_the_tolerance():
+    q, k, v = _qkv(2, 2, 50, 30, 16)
+    exact = check_against_naive(naive_attention(q, k, v), q, k, v)
+    assert exact.ok and exact.max_abs_error == 0.0 and exact.reason == ""
+    off = naive_attention(q, k, v)
+    off[1, 1, -1, -1] += 1e-2  # the last row of the last block only
+    check = check_against_naive(off, q, k, v, memory_budget_bytes=2 * 2 * 2 * 30 * 4 * 7)  # 7-row blocks
+    assert not check.ok and check.max_abs_error == pytest.approx(1e-2, rel=1e-3)
+    assert check.reason == "max abs error 1.00e-02 vs naive exceeds the float32 tolerance (atol 0.0001 + rtol 0.0001)"
+    loose = check_against_naive(off, q, k, v, tolerance=A.Tolerance(atol=2e-2, rtol=0))
+    assert loose.ok and loose.max_abs_error == pytest.approx(1e-2, rel=1e-3)
+
+
+def test_check_against_naive_uses_the_dtype_tolerance():
+    q, k, v = _qkv(1, 2, 20, 20, 16, torch.bfloat16)
+    out = naive_attention(q, k, v)
+    assert check_against_naive(out, q, k, v).ok
+    bad = (out.float() + 0.1).to(torch.bfloat16)
+    check = check_against_naive(bad, q, k, v)
+    assert not check.ok and "bfloat16 tolerance (atol 0.03 + rtol 0.03)" in check.reason
+
+
+def test_check_against_naive_wrong_shape_and_nan():
+    q, k, v = _qkv(1, 2, 8, 8, 16)
+    wrong = check_against_naive(torch.zeros(1, 2, 8, 15), q, k, v)
+    assert not wrong.ok and wrong.max_abs_error == math.inf and wrong.reason == "output shape [1, 2, 8, 15] instead of [1, 2, 8, 16]"
+    nan = naive_attention(q, k, v)
+    nan[0, 0, 3, 0] = float("nan")
+    check = check_against_naive(nan, q, k, v)
+    assert not check.ok and check.max_abs_error == math.inf, "NaN where the reference is finite is wrong"
+
+
+def test_check_against_naive_agrees_on_fully_masked_rows():
+    q, k, v = _qkv(1, 2, 6, 5, 8)
+    keep = torch.ones(6, 5, dtype=torch.bool)
+    keep[2] = False  # query 2 sees no key: naive gives NaN there
+    reference = naive_attention(q, k, v, keep)
+    assert reference[:, :, 2].isnan().all() and not reference[:, :, :2].isnan().any()
+    assert check_against_naive(reference, q, k, v, keep).ok
+    zeros = reference.nan_to_num()
+    assert not check_against_naive(zeros, q, k, v, keep).ok, "a number where the reference has NaN is not agreement"
+
+
+def test_time_attention_calls_each_repeat():
+    calls = []
+    q, k, v = _qkv(1, 2, 8, 8, 16)
+    mask = torch.zeros(8, 8)
+    seconds = time_attention(lambda *args: calls.append(args), q, k, v, mask)
+    assert AUTO_REPEATS == 3 and len(seconds) == AUTO_REPEATS == len(calls)
+    assert all(s >= 0 for s in seconds) and all(c[3] is mask for c in calls)
+    assert len(time_attention(naive_attention, q, k, v, repeats=5)) == 5
+    assert AutoAttention().repeats == AUTO_REPEATS
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+
+def _sdpa_reference(q, k, v, heads, mask=None):
+    """SDPA on [B, N, H*D] inputs, split into heads by hand."""
+    batch = q.shape[0]
+    split = [t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*split, attn_mask=mask)
+    return out.transpose(1, 2).reshape(batch, -1, heads * out.shape[-1])
+
+
+def _packed(batch=2, q_tokens=33, k_tokens=77, heads=4, head_dim=16, dtype=torch.float32, v_dim=None):
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(batch, q_tokens, heads * head_dim, generator=g)
+    k = torch.randn(batch, k_tokens, heads * head_dim, generator=g)
+    v = torch.randn(batch, k_tokens, heads * (v_dim or head_dim), generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "naive", "sub_quadratic"])
+def test_packed_heads_matches_sdpa(name):
+    q, k, v = _packed()
+    run = A.packed_heads(backend_function(name, CONFIGS["tiny-budget"]))
+    out = run(q, k, v, 4)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, _sdpa_reference(q, k, v, 4), atol=ATOL[torch.float32], rtol=0)
+
+
+def test_packed_heads_with_another_value_dim():
+    q, k, v = _packed(v_dim=24)
+    out = A.packed_heads(naive_attention)(q, k, v, 4)
+    assert out.shape == (2, 33, 4 * 24)
+    torch.testing.assert_close(out, _sdpa_reference(q, k, v, 4), atol=ATOL[torch.float32], rtol=0)
+
+
+def test_packed_heads_skip_reshape_and_skip_output_reshape():
+    q, k, v = _packed()
+    heads, batch = 4, q.shape[0]
+    split = [t.view(batch, -1, heads, 16).transpose(1, 2) for t in (q, k, v)]
+    expected = _sdpa_reference(q, k, v, heads)
+    expected_split = expected.view(batch, -1, heads, 16).transpose(1, 2)
+    run = A.packed_heads(naive_attention)
+    tol = dict(atol=ATOL[torch.float32], rtol=0)
+    torch.testing.assert_close(run(*split, heads, skip_reshape=True), expected, **tol)
+    out = run(*split, heads, skip_reshape=True, skip_output_reshape=True)
+    assert out.shape == (batch, heads, 33, 16)
+    torch.testing.assert_close(out, expected_split, **tol)
+    out = run(q, k, v, heads, skip_output_reshape=True)
+    assert out.shape == (batch, heads, 33, 16)
+    torch.testing.assert_close(out, expected_split, **tol)
+
+
+@pytest.mark.parametrize("kind", ["additive-2d", "additive-3d", "bool-2d", "bool-3d"])
+def test_packed_heads_masks_gain_the_missing_dims(kind):
+    q, k, v = _packed()
+    g = torch.Generator().manual_seed(8)
+    shape = (33, 77) if kind.endswith("2d") else (2, 33, 77)
+    if kind.startswith("bool"):
+        mask = torch.rand(shape, generator=g) > 0.3
+        mask[..., 0] = True
+    else:
+        mask = torch.randn(shape, generator=g)
+    as_4d = mask.view(1, 1, 33, 77) if mask.ndim == 2 else mask.unsqueeze(1)
+    expected = _sdpa_reference(q, k, v, 4, as_4d)
+    for name in ("sdpa", "naive", "sliced"):
+        out = A.packed_heads(backend_function(name, CONFIGS["tiny-budget"]))(q, k, v, 4, mask)
+        torch.testing.assert_close(out, expected, atol=ATOL[torch.float32], rtol=0)
+    assert not torch.allclose(expected, _sdpa_reference(q, k, v, 4)), "the mask matters"
+
+
+def test_packed_heads_upcast_computes_in_fp32_and_returns_the_input_dtype():
+    seen = []
+
+    def recording(q, k, v, mask=None):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return naive_attention(q, k, v, mask)
+
+    run = A.packed_heads(recording)
+    q, k, v = _packed(dtype=torch.bfloat16)
+    out = run(q, k, v, 4, upcast=True)
+    assert seen[-1] == (torch.float32,) * 3 and out.dtype == torch.bfloat16
+    expected = _sdpa_reference(q.float(), k.float(), v.float(), 4).to(torch.bfloat16)
+    assert torch.equal(out, A.packed_heads(naive_attention)(q.float(), k.float(), v.float(), 4).to(torch.bfloat16))
+    torch.testing.assert_close(out, expected, atol=ATOL[torch.bfloat16], rtol=0)
+    out = run(q, k, v, 4)
+    assert seen[-1] == (torch.bfloat16,) * 3 and out.dtype == torch.bfloat16
+    q32, k32, v32 = _packed()
+    assert run(q32, k32, v32, 4, upcast=True).dtype == torch.float32 and seen[-1] == (torch.float32,) * 3
+
+
+def _single_head_reference(q, k, v):
+    """softmax(QᵀK / sqrt(C)) over the spatial tokens, channels as the head dim, computed by hand."""
+    batch, channels = q.shape[:2]
+    qt, kt, vt = (t.reshape(batch, channels, -1).transpose(1, 2).double() for t in (q, k, v))  # [B, HW, C]
+    weights = torch.softmax(qt @ kt.transpose(1, 2) / math.sqrt(channels), dim=-1)
+    return (weights @ vt).transpose(1, 2).reshape(q.shape).float()
+
+
+@pytest.mark.parametrize("spatial", [(6, 7), (3, 4, 5)], ids=["image", "video"])
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+def test_channel_attention_is_one_head_over_the_spatial_tokens(name, spatial):
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 32, *spatial, generator=g) for _ in range(3))
+    out = A.channel_attention(backend_function(name, CONFIGS["tiny-budget"]))(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, _single_head_reference(q, k, v), atol=ATOL[torch.float32], rtol=0)
+
+
+def test_channel_attention_through_the_per_signature_callable():
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 16, 5, 5, generator=g) for _ in range(3))
+    attention = build_attention(AttentionConfig(backend="sliced", slice_size=7))
+    out = A.channel_attention(attention)(q, k, v)
+    (decision,) = attention.decisions
+    assert decision.picked == "sliced" and decision.signature.startswith("q 1x1x25x16 ")
+    torch.testing.assert_close(out, _single_head_reference(q, k, v), atol=ATOL[torch.float32], rtol=0)
+
+
+# -- optim/ stays host-independent ------------------------------------------------------------------
+
+OPTIM = Path(A.__file__).resolve().parent
+FORBIDDEN_TOP = ("measure", "nodes", "tools", "server", "folder_paths", "execution", "main")
+
+
+def _forbidden(module: str) -> bool:
+    top = module.split(".")[0]
+    return top.startswith("comfy") or top in FORBIDDEN_TOP or module.startswith(("sdopt.measure", "sdopt.nodes", "sdopt.tools"))
+
+
+def _imports(tree: ast.AST):
+    """(line, module name as it resolves from optim/) of every import, string module names of
+    importlib.import_module/__import__ calls included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                yield node.lineno, node.module
+            elif node.level == 1:  # a sibling in optim/
+                yield node.lineno, "sdopt.optim." + (node.module or "")
+            else:  # the package root: ..measure, .. import nodes
+                names = [node.module] if node.module else [alias.name for alias in node.names]
+                yield from ((node.lineno, name) for name in names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                yield node.lineno, node.args[0].value
+
+
+def test_the_import_rule_sees_what_it_must_refuse():
+    source = (
+        "import comfy.model_management\nfrom comfy_execution import progress\nfrom ..measure.profiler import x\n"
+        "from .. import nodes\nimport server\ndef f():\n    import folder_paths\n    importlib.import_module('measure.report')\n"
+        "from . import precision\nfrom ..errors import UserError\nimport torch\n"
+    )
+    found = [name for _, name in _imports(ast.parse(source)) if _forbidden(name)]
+    assert found == ["comfy.model_management", "comfy_execution", "measure.profiler", "nodes", "server", "folder_paths", "measure.report"]
+
+
+def test_optim_never_imports_a_host_the_profiler_or_the_report():
+    files = sorted(OPTIM.glob("*.py"))
+    assert {"attention.py", "attention_auto.py", "precision.py"} <= {f.name for f in files}
+    offending = [
+        f"{path.name}:{line}: {name}"
+        for path in files
+        for line, name in _imports(ast.parse(path.read_text(), str(path)))
+        if _forbidden(name)
+    ]
+    assert offending == []

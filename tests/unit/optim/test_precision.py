@@ -1,23 +1,26 @@
-"""Precision on CPU: storage/compute dtypes on a tiny diffusers UNet and a plain module,
-weight memory, TF32 scope, channels-last, input errors, and the NaN guard on a VAE
-that overflows in fp16."""
+"""Precision on CPU: converted copies of a tiny diffusers UNet and a plain module, the plan, what
+``auto`` picks (with the probe faked), weight memory, the TF32 scope, input errors, and the NaN
+guard on a VAE that overflows in fp16."""
 import copy
 
 import pytest
 import torch
 from diffusers import AutoencoderKL
 from torch import nn
-from torch.nn.utils import parametrize
 
 from sdopt.errors import UserError
+from sdopt.optim import precision as P
 from sdopt.optim.precision import (
+    BF16_FASTER_BELOW,
     PrecisionConfig,
-    apply_precision_,
+    PrecisionPlan,
     check_compute_dtype,
     compute_supported,
     converted_copy,
+    dtype_name,
     has_nonfinite,
     parse_dtype,
+    pick_dtype,
     plan_precision,
     run_with_nan_guard,
     safe_dtype,
@@ -25,10 +28,9 @@ from sdopt.optim.precision import (
     weight_bytes,
 )
 
-# Relative L2 error of the output against the fp32 module, per weight storage dtype.
-# fp8 keeps 3 (e4m3fn) or 2 (e5m2) mantissa bits, and the small random-init weights are
-# partly subnormal there, so its errors are an order of magnitude above bf16's.
-REL_TOL = {"fp16": 5e-3, "bf16": 3e-2, "fp8_e4m3fn": 0.2, "fp8_e5m2": 0.3}
+# Relative L2 error of the tiny UNet's output with bf16 weights computing in bf16, against fp32.
+# bf16 keeps 8 mantissa bits (relative step 2^-8 = 3.9e-3 per rounding); measured about 5e-3 here.
+BF16_REL_TOL = 3e-2
 # fp32 channels-last vs contiguous: other conv kernels, same math.
 CHANNELS_LAST_TOL = 1e-5
 # The NaN guard's bf16 redo of the overflowing VAE, against its fp32 decode.
@@ -59,11 +61,19 @@ def run_unet(unet, inputs, dtype=torch.float32):
 
 
 class Plain(nn.Module):
+    """Floating parameters of every rank, a floating 4-D buffer, an integer buffer, a tied weight
+    and a plain tensor attribute."""
+
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(4, 16, 3, padding=1)
         self.norm = nn.GroupNorm(4, 16)
         self.linear = nn.Linear(16, 8)
+        self.tied = nn.Linear(16, 8)
+        self.tied.weight = self.linear.weight
+        self.register_buffer("kernel", torch.randn(2, 4, 3, 3))
+        self.register_buffer("counter", torch.arange(5))
+        self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
 
     def forward(self, x):
         return self.linear(self.norm(self.conv(x)).mean((2, 3)))
@@ -75,143 +85,267 @@ def plain():
     return Plain().eval()
 
 
-def _matrix_weights(module):
-    """The stored tensors behind every Linear/Conv weight (parametrized or not)."""
-    found = {}
-    for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Linear, nn.Conv2d)):
-            found[name] = sub.parametrizations.weight.original if parametrize.is_parametrized(sub, "weight") else sub.weight
-    return found
+def _snapshot(module):
+    return {name: (t.clone(), t.dtype, t.stride()) for name, t in module.state_dict(keep_vars=True).items()}
 
 
-# -- storage and compute dtypes -------------------------------------------------------
+def _assert_unchanged(module, snapshot):
+    now = module.state_dict(keep_vars=True)
+    assert now.keys() == snapshot.keys()
+    for name, (value, dtype, stride) in snapshot.items():
+        assert now[name].dtype == dtype and now[name].stride() == stride, name
+        assert torch.equal(now[name], value), name
 
 
-@pytest.mark.parametrize("weight", ["fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"])
-def test_unet_storage_dtype_stores_weights_and_stays_close(unet, unet_inputs, weight):
+# -- converted copies --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2], ids=dtype_name)
+def test_converted_copy_converts_floating_tensors_only(plain, dtype):
+    snapshot = _snapshot(plain)
+    originals = dict(plain.named_parameters())
+    copied = converted_copy(plain, dtype)
+    _assert_unchanged(plain, snapshot)
+    assert all(plain.get_parameter(n) is p for n, p in originals.items()), "the original keeps its own Parameters"
+    assert {p.dtype for p in copied.parameters()} == {dtype}
+    assert all(isinstance(p, nn.Parameter) for p in copied.parameters())
+    assert copied.kernel.dtype == dtype
+    assert copied.counter.dtype == torch.int64 and torch.equal(copied.counter, plain.counter)
+    assert copied.tied.weight is copied.linear.weight, "tied weights stay tied in the copy"
+    assert copied.frozen.requires_grad is False and copied.conv.weight.requires_grad is True
+    expected = plain.conv.weight.detach().to(dtype)
+    assert torch.equal(copied.conv.weight.detach().view(torch.uint8), expected.view(torch.uint8)), "a plain cast"
+    assert weight_bytes(copied) == weight_bytes(plain, dtype)
+
+
+def test_converted_copy_channels_last_applies_to_4d_tensors_only(plain):
+    copied = converted_copy(plain, torch.float16, channels_last=True)
+    assert copied.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not copied.conv.weight.is_contiguous()
+    assert copied.kernel.is_contiguous(memory_format=torch.channels_last) and not copied.kernel.is_contiguous()
+    assert copied.linear.weight.is_contiguous() and copied.norm.weight.is_contiguous()
+    assert plain.conv.weight.is_contiguous() and plain.kernel.is_contiguous(), "the original stays NCHW"
+    assert converted_copy(plain, torch.float16).conv.weight.is_contiguous(), "channels-last only when asked"
+
+
+def test_converted_copy_changes_nothing_in_the_original_when_the_copy_is_changed(plain):
+    copied = converted_copy(plain, torch.float16)
+    snapshot = _snapshot(plain)
+    with torch.no_grad():
+        for p in copied.parameters():
+            p.add_(1)
+        copied.kernel.add_(1)
+    copied.linear = nn.Identity()
+    _assert_unchanged(plain, snapshot)
+    assert isinstance(plain.linear, nn.Linear)
+
+
+def test_converted_copy_to_the_same_dtype_shares_no_storage(plain):
+    copied = converted_copy(plain, torch.float32)
+    snapshot = _snapshot(plain)
+    with torch.no_grad():
+        copied.conv.weight.add_(1)
+        copied.kernel.add_(1)
+    _assert_unchanged(plain, snapshot)
+
+
+def test_converted_copy_does_not_record_autograd(plain):
+    copied = converted_copy(plain, torch.bfloat16)
+    assert all(p.is_leaf and p.grad_fn is None for p in copied.parameters())
+
+
+def test_converted_unet_fp32_copy_runs_exactly_like_the_original(unet, unet_inputs):
     ref = run_unet(unet, unet_inputs)
-    patched = copy.deepcopy(unet)
-    result = apply_precision_(patched, PrecisionConfig(weight_dtype=weight))
-    dtype = result.plan.weight_dtype
-    compute = result.plan.compute_dtype
-    assert compute == (dtype if dtype.itemsize == 2 and dtype in HALF else torch.float32)
-
-    stored = _matrix_weights(patched)
-    assert stored and all(w.dtype == dtype for w in stored.values())
-    out = run_unet(patched, unet_inputs, compute)
-    assert out.dtype == compute and torch.isfinite(out).all()
-    assert rel_err(out, ref) < REL_TOL[weight]
-    assert rel_err(out, ref) > 0, "a changed storage dtype must change the output a little"
-
-    before = weight_bytes(unet)
-    assert result.weight_bytes_before == before == 4 * sum(p.numel() for p in unet.parameters())
-    assert result.weight_bytes_after == weight_bytes(patched)
-    # Matrices hold nearly all the weights, so the saving is close to the all-in-dtype figure.
-    ideal = before - weight_bytes(unet, dtype)
-    assert 0.97 * ideal < result.saved_bytes <= ideal
+    snapshot = _snapshot(unet)
+    copied = converted_copy(unet, torch.float32)
+    assert copied is not unet and copied.conv_in is not unet.conv_in
+    assert torch.equal(run_unet(copied, unet_inputs), ref)
+    _assert_unchanged(unet, snapshot)
 
 
-def test_fp8_storage_with_bf16_compute(unet, unet_inputs):
-    if torch.bfloat16 not in HALF:
-        pytest.skip("this CPU does not compute in bf16")
+def test_converted_unet_channels_last_matches_eager(unet, unet_inputs):
     ref = run_unet(unet, unet_inputs)
-    patched = copy.deepcopy(unet)
-    result = apply_precision_(patched, PrecisionConfig(weight_dtype="fp8_e4m3fn", compute_dtype="bf16"))
-    assert result.plan.upcasts and result.plan.compute_dtype == torch.bfloat16
-    assert patched.conv_in.weight.dtype == torch.bfloat16, "read through the parametrization in compute dtype"
-    assert patched.conv_in.parametrizations.weight.original.dtype == torch.float8_e4m3fn
-    assert patched.conv_in.bias.dtype == torch.bfloat16, "biases and norms stay in the compute dtype"
-    out = run_unet(patched, unet_inputs, torch.bfloat16)
-    assert rel_err(out, ref) < REL_TOL["fp8_e4m3fn"]
-
-
-def test_plain_module_fp16_storage_fp32_compute(plain):
-    x = torch.randn(3, 4, 6, 6)
-    ref = plain(x)
-    patched = copy.deepcopy(plain)
-    result = apply_precision_(patched, PrecisionConfig(weight_dtype="fp16", compute_dtype="fp32"))
-    assert result.plan.upcasts
-    assert {w.dtype for w in _matrix_weights(patched).values()} == {torch.float16}
-    assert patched.norm.weight.dtype == torch.float32
-    out = patched(x)
-    assert out.dtype == torch.float32
-    assert rel_err(out, ref) < REL_TOL["fp16"]
-    assert result.saved_bytes == 2 * (plain.conv.weight.numel() + plain.linear.weight.numel())
-
-
-@pytest.mark.parametrize("weight", ["fp16", "bf16", "fp8_e4m3fn"])
-def test_plain_module_storage(plain, weight):
-    x = torch.randn(3, 4, 6, 6)
-    ref = plain(x)
-    patched = copy.deepcopy(plain)
-    result = apply_precision_(patched, PrecisionConfig(weight_dtype=weight))
-    out = patched(x.to(result.plan.compute_dtype))
-    assert {w.dtype for w in _matrix_weights(patched).values()} == {result.plan.weight_dtype}
-    assert rel_err(out, ref) < REL_TOL[weight]
-
-
-def test_original_is_bit_identical_after_a_patched_copy_ran(unet, unet_inputs):
-    before = run_unet(unet, unet_inputs)
-    weights = {k: v.clone() for k, v in unet.state_dict().items()}
-    for config in (
-        PrecisionConfig(weight_dtype="fp8_e4m3fn", tf32=True, channels_last=True),
-        PrecisionConfig(weight_dtype="bf16"),
-    ):
-        patched = copy.deepcopy(unet)
-        result = apply_precision_(patched, config)
-        with result.scope():
-            run_unet(patched, unet_inputs, result.plan.compute_dtype)
-    after = run_unet(unet, unet_inputs)
-    assert torch.equal(before, after)
-    assert all(torch.equal(weights[k], v) and v.dtype == weights[k].dtype for k, v in unet.state_dict().items())
-    assert not any(parametrize.is_parametrized(m) for m in unet.modules())
-
-
-def test_converted_copy_leaves_the_original_and_converts_while_copying(unet, unet_inputs):
-    ref = run_unet(unet, unet_inputs)
-    marker = object()
-    unet.sdopt_back_reference = marker
-    try:
-        copied = converted_copy(unet, torch.float8_e5m2, part=unet.down_blocks, channels_last=True, memo={id(marker): None})
-    finally:
-        del unet.sdopt_back_reference
-    assert copied.sdopt_back_reference is None
-    assert all(p.dtype == torch.float8_e5m2 for p in copied.down_blocks.parameters())
-    assert all(p.dtype == torch.float32 for p in copied.up_blocks.parameters())
-    conv = copied.down_blocks[0].resnets[0].conv1.weight
-    assert conv.is_contiguous(memory_format=torch.channels_last)
-    assert all(p.dtype == torch.float32 for p in unet.parameters())
+    copied = converted_copy(unet, torch.float32, channels_last=True)
+    assert copied.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert rel_err(run_unet(copied, unet_inputs), ref) < CHANNELS_LAST_TOL
     assert torch.equal(run_unet(unet, unet_inputs), ref)
 
 
+def test_converted_unet_bf16_copy_stays_close(unet, unet_inputs):
+    if torch.bfloat16 not in HALF:
+        pytest.skip("this CPU does not compute in bf16")
+    ref = run_unet(unet, unet_inputs)
+    snapshot = _snapshot(unet)
+    copied = converted_copy(unet, torch.bfloat16)
+    assert {p.dtype for p in copied.parameters()} == {torch.bfloat16}
+    out = run_unet(copied, unet_inputs, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert 0 < rel_err(out, ref) < BF16_REL_TOL, "bf16 weights change the output a little"
+    _assert_unchanged(unet, snapshot)
+    assert torch.equal(run_unet(unet, unet_inputs), ref), "the original is bit-identical after the copy ran"
+
+
 def test_weight_bytes_figures(plain):
-    n = sum(p.numel() for p in plain.parameters())
+    params = list(plain.parameters())  # the tied weight counts once
+    n = sum(p.numel() for p in params)
     assert weight_bytes(plain) == 4 * n
     assert weight_bytes(plain, torch.float16) == 2 * n
     assert weight_bytes(plain, torch.float8_e4m3fn) == n
     assert weight_bytes(plain.half()) == 2 * n
 
 
+# -- the plan ----------------------------------------------------------------------------------
+
+
 def test_plan_keeps_compute_for_fp8_and_follows_half_weights():
     keep = plan_precision(PrecisionConfig(weight_dtype="fp8_e5m2"), torch.float32, torch.float32, "cpu")
-    assert (keep.weight_dtype, keep.compute_dtype) == (torch.float8_e5m2, torch.float32)
+    assert (keep.weight_dtype, keep.compute_dtype, keep.upcasts) == (torch.float8_e5m2, torch.float32, True)
     nothing = plan_precision(PrecisionConfig(), torch.float16, torch.float32, "cpu")
     assert (nothing.weight_dtype, nothing.compute_dtype, nothing.upcasts) == (torch.float16, torch.float32, True)
-    if torch.float16 in HALF:
-        half = plan_precision(PrecisionConfig(weight_dtype="fp16"), torch.float32, torch.float32, "cpu")
-        assert half.compute_dtype == torch.float16 and not half.upcasts
+    for name in ("fp16", "bf16"):
+        dtype = P.DTYPES[name]
+        if dtype in HALF:
+            half = plan_precision(PrecisionConfig(weight_dtype=name), torch.float32, torch.float32, "cpu")
+            assert half.compute_dtype == dtype and not half.upcasts
+
+
+def test_plan_with_an_explicit_compute_dtype():
+    if torch.bfloat16 not in HALF:
+        pytest.skip("this CPU does not compute in bf16")
+    plan = plan_precision(PrecisionConfig("fp8_e4m3fn", "bf16", tf32=True, channels_last=True), torch.float16, torch.float16, "cpu")
+    assert plan == PrecisionPlan(torch.float8_e4m3fn, torch.bfloat16, True, True)
+    assert plan.upcasts
+    same = plan_precision(PrecisionConfig(compute_dtype="fp32"), torch.float32, torch.bfloat16, "cpu")
+    assert (same.weight_dtype, same.compute_dtype, same.upcasts) == (torch.float32, torch.float32, False)
+
+
+def test_plan_on_a_device_without_the_dtypes():
+    # The meta device never yields a finite result, so every reduced dtype fails its probe there.
+    weights = plan_precision(PrecisionConfig(weight_dtype="bf16"), torch.float32, torch.float32, "meta")
+    assert (weights.weight_dtype, weights.compute_dtype) == (torch.bfloat16, torch.float32), "keeps computing as now"
+    computing = plan_precision(PrecisionConfig(), torch.float16, torch.float16, "meta")
+    assert computing.compute_dtype == torch.float32, "a compute dtype the device cannot run becomes fp32"
+
+
+def test_configs_are_frozen_and_checked():
+    config = PrecisionConfig(weight_dtype="fp16")
+    with pytest.raises(AttributeError):
+        config.weight_dtype = "bf16"
+    assert PrecisionConfig() == PrecisionConfig(None, None, False, False)
+
+
+# -- what auto picks -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def probe_cache():
+    """The measured ratio is cached per device: start and end every test with an empty cache."""
+    measured = P._bf16_over_fp32  # the real, cached function, even while a test replaces it
+    measured.cache_clear()
+    yield
+    measured.cache_clear()
+
+
+@pytest.fixture
+def bf16_runs(monkeypatch):
+    real = P.compute_supported
+    monkeypatch.setattr(P, "compute_supported", lambda dtype, device: dtype == torch.bfloat16 or real(dtype, device))
+
+
+def test_auto_picks_bf16_where_it_measured_faster(monkeypatch, probe_cache, bf16_runs):
+    asked = []
+    monkeypatch.setattr(P, "_bf16_over_fp32", lambda device: asked.append(device) or 0.5)
+    pick = pick_dtype("cpu")
+    assert pick.dtype == torch.bfloat16 and asked == ["cpu"]
+    assert "0.50x" in pick.reason and "bf16" in pick.reason and "fp32" in pick.reason
+    assert not pick.reason.endswith("so fp32")
+
+
+@pytest.mark.parametrize("ratio", [2.0, BF16_FASTER_BELOW])
+def test_auto_keeps_fp32_where_bf16_is_not_clearly_faster(monkeypatch, probe_cache, bf16_runs, ratio):
+    monkeypatch.setattr(P, "_bf16_over_fp32", lambda device: ratio)
+    pick = pick_dtype(torch.device("cpu"))
+    assert pick.dtype == torch.float32
+    assert f"{ratio:.2f}x" in pick.reason and pick.reason.endswith(", so fp32")
+
+
+def test_auto_without_bf16_does_not_probe(monkeypatch, probe_cache):
+    monkeypatch.setattr(P, "compute_supported", lambda dtype, device: dtype == torch.float32)
+    monkeypatch.setattr(P, "_bf16_over_fp32", lambda device: pytest.fail("no probe where bf16 does not run"))
+    pick = pick_dtype("cpu")
+    assert pick.dtype == torch.float32 and pick.reason == "bf16 does not run on cpu"
+
+
+@pytest.mark.parametrize("fp16_runs", [True, False])
+def test_auto_on_cuda_is_fp16_where_it_runs(monkeypatch, probe_cache, fp16_runs):
+    asked = []
+    monkeypatch.setattr(P, "compute_supported", lambda dtype, device: asked.append((dtype, str(device))) or fp16_runs)
+    monkeypatch.setattr(P, "_bf16_over_fp32", lambda device: pytest.fail("CUDA is not probed"))
+    pick = pick_dtype("cuda:1")
+    assert asked == [(torch.float16, "cuda:1")]
+    if fp16_runs:
+        assert pick.dtype == torch.float16 and pick.reason.startswith("fp16 on CUDA")
+    else:
+        assert pick.dtype == torch.float32 and pick.reason == "fp16 does not run on cuda:1"
+
+
+def _fake_probe(monkeypatch, fp32_s, bf16_s):
+    """``_probe_once`` answering fixed seconds per dtype (bf16 ones in order), counting calls."""
+    calls = []
+    bf16_times = iter(bf16_s)
+
+    def probe(device, dtype):
+        calls.append((device.type, dtype))
+        return fp32_s if dtype == torch.float32 else next(bf16_times)
+
+    monkeypatch.setattr(P, "_probe_once", probe)
+    return calls
+
+
+def test_probe_stops_early_when_bf16_is_far_slower(monkeypatch, probe_cache):
+    calls = _fake_probe(monkeypatch, 1.0, [6.0])
+    assert P._bf16_over_fp32("cpu") == 6.0
+    assert calls == [("cpu", torch.float32)] * 4 + [("cpu", torch.bfloat16)], "a warm-up and 3 fp32, one bf16"
+    assert P._bf16_over_fp32("cpu") == 6.0 and len(calls) == 5, "measured once per device"
+
+
+def test_probe_takes_the_median_of_three_bf16_runs(monkeypatch, probe_cache):
+    calls = _fake_probe(monkeypatch, 2.0, [4.0, 1.0, 0.5, 9.0])
+    assert P._bf16_over_fp32("cpu") == 0.5  # median(1.0, 0.5, 9.0) / 2.0; the 4.0 warm-up is not counted
+    assert [dtype for _, dtype in calls] == [torch.float32] * 4 + [torch.bfloat16] * 4
+
+
+def test_probe_really_runs_on_cpu():
+    seconds = P._probe_once(torch.device("cpu"), torch.float32)
+    assert 0 < seconds < 10
+
+
+# -- dtype names and support --------------------------------------------------------------------
+
+
+def test_dtype_names():
+    assert [dtype_name(P.DTYPES[n]) for n in P.WEIGHT_DTYPES] == list(P.WEIGHT_DTYPES)
+    assert dtype_name(torch.float64) == "float64"
+    assert parse_dtype("bf16", "dtype", P.COMPUTE_DTYPES) == torch.bfloat16
+
+
+def test_safe_dtype_order(monkeypatch):
+    assert safe_dtype(torch.float32, "cpu") is None
+    assert safe_dtype(torch.bfloat16, "cpu") == torch.float32
+    monkeypatch.setattr(P, "compute_supported", lambda dtype, device: True)
+    assert safe_dtype(torch.float16, "cpu") == torch.bfloat16
+    monkeypatch.setattr(P, "compute_supported", lambda dtype, device: dtype == torch.float32)
+    assert safe_dtype(torch.float16, "cpu") == torch.float32
+
+
+def test_has_nonfinite_looks_into_containers():
+    assert not has_nonfinite({"a": [torch.ones(2), (torch.zeros(1),)], "b": "text"})
+    assert has_nonfinite({"a": [torch.ones(2), (torch.tensor([float("inf")]),)]})
+    assert not has_nonfinite(torch.tensor([1, 2]))
 
 
 # -- channels-last and TF32 -----------------------------------------------------------
-
-
-def test_channels_last_matches_eager(unet, unet_inputs):
-    ref = run_unet(unet, unet_inputs)
-    patched = copy.deepcopy(unet)
-    apply_precision_(patched, PrecisionConfig(channels_last=True))
-    assert patched.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
-    assert not unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
-    assert rel_err(run_unet(patched, unet_inputs), ref) < CHANNELS_LAST_TOL
 
 
 def _flags():
@@ -289,12 +423,6 @@ def test_compute_dtype_the_device_cannot_run_is_refused():
     assert not compute_supported(torch.float16, "meta")
     with pytest.raises(UserError, match=r"^compute_dtype: fp16 does not run on meta"):
         plan_precision(PrecisionConfig(compute_dtype="fp16"), torch.float32, torch.float32, "meta")
-
-
-def test_applying_twice_is_refused(plain):
-    apply_precision_(plain, PrecisionConfig(weight_dtype="fp8_e4m3fn"))
-    with pytest.raises(UserError, match=r"^module: it already has parametrized weights"):
-        apply_precision_(plain, PrecisionConfig(weight_dtype="fp16"))
 
 
 # -- NaN guard --------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from sdopt.errors import UserError
-from sdopt.optim import profiler
+from sdopt.measure import profiler
 from sdopt.optim.attention import backend_function
-from sdopt.optim.bench import (
+from sdopt.tools.bench_attention import (
     STATUS_OK,
     STATUS_UNAVAILABLE,
     AttentionBenchRow,

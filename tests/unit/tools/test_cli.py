@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from sdopt.cli import main
+from sdopt.tools.cli import main
 
-BASELINE = str(Path(__file__).resolve().parents[2] / "workflows" / "sd15_baseline.json")
+BASELINE = str(Path(__file__).resolve().parents[3] / "workflows" / "sd15_baseline.json")
 
 
 def _one_line_error(capsys, argv):

@@ -1,4 +1,4 @@
-"""optim.modelgen: determinism, the LDM key layout (checked by diffusers' own converters), manifests, CLI."""
+"""tools.modelgen: determinism, the LDM key layout (checked by diffusers' own converters), manifests, CLI."""
 from __future__ import annotations
 
 import pytest
@@ -14,10 +14,10 @@ from diffusers.loaders.single_file_utils import (
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from sdopt import cli
+from sdopt.tools import cli
 from sdopt.errors import UserError
-from sdopt.optim import modelgen
-from sdopt.optim.modelgen import (
+from sdopt.tools import modelgen
+from sdopt.tools.modelgen import (
     TEXT_ENCODER_PREFIX,
     UNET_PREFIX,
     VAE_PREFIX,

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from sdopt.errors import UserError
-from sdopt.workflow import (
+from sdopt.tools.workflow import (
     apply_overrides,
     is_api_format,
     is_ui_format,
@@ -17,7 +17,7 @@ from sdopt.workflow import (
     widget_names,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = Path(__file__).parent / "fixtures"
 BASELINE = ROOT / "workflows" / "sd15_baseline.json"
 

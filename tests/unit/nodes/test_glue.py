@@ -1,0 +1,911 @@
+"""nodes.glue and the node-side wrappers against fakes of ComfyUI's APIs (0.3.x, 0.33 and 0.38 shapes).
+
+ComfyUI is never imported here: every ``comfy*`` module a function imports lazily is a fake put into
+``sys.modules`` for one test, built from what the real one offers (attribute names, signatures, data
+layout of ``wrappers``). The host tier runs the same code against real ComfyUI.
+"""
+import copy
+import sys
+import types
+import uuid
+from collections import OrderedDict
+
+import pytest
+import torch
+from torch import nn
+
+from sdopt.errors import UserError
+from sdopt.measure.profiler import SamplingRun, active_run
+from sdopt.nodes import attention as attention_node
+from sdopt.nodes import glue
+from sdopt.nodes import profiler as profiler_node
+from sdopt.optim.attention import backend_function, naive_attention
+from sdopt.optim.precision import converted_copy
+
+PROMPT = "prompt-1"
+
+
+def install(monkeypatch, name: str, **attrs) -> types.ModuleType:
+    """A fake module ``name`` in ``sys.modules`` for this test, also set on its (fake) parent package,
+    as ``import a.b`` and ``a.b.x`` need."""
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    parent, _, child = name.rpartition(".")
+    if parent:
+        if parent not in sys.modules:
+            install(monkeypatch, parent)
+        monkeypatch.setattr(sys.modules[parent], child, module, raising=False)
+    else:
+        module.__path__ = []  # a package, so submodules import
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def no_comfyui():
+    """The unit tier must never see the real ComfyUI, before or after a test's fakes."""
+    assert not any(name == "comfy" or name.startswith("comfy.") for name in sys.modules if not _is_fake(name))
+    yield
+    assert "comfy" not in sys.modules, "fakes are removed after each test"
+
+
+def _is_fake(name):
+    return getattr(sys.modules[name], "__file__", None) is None
+
+
+@pytest.fixture
+def prompts(monkeypatch):
+    """A fresh per-prompt log, with ``PROMPT`` as the executing prompt."""
+    monkeypatch.setattr(glue, "_prompts", OrderedDict())
+    monkeypatch.setattr(glue, "current_prompt_id", lambda: PROMPT)
+    return glue._prompts
+
+
+# --- a. rebased: a patcher of another module with the same recipe ------------------------------------
+
+
+class OverridePatcher:
+    """ComfyUI 0.38's clone signature: ``model_override=(model, backups)`` builds the clone on ``model``
+    with those backups; ``get_clone_model_override`` names the backups a clone shares."""
+
+    def __init__(self, model, size=1234):
+        self.model = model
+        self.size = size  # ComfyUI's clone passes the original's model_size() on
+        self.backup, self.backup_buffers, self.object_patches_backup, self.pinned = {"w": 1}, {"b": 2}, {"o": 3}, {"k"}
+        self.patches = {"w": [("lora",)]}
+        self.model_options = {"transformer_options": {"x": 1}}
+        self.cached_patcher_init = ("load_checkpoint", ("sd15.safetensors",))
+        self.clone_calls = []
+
+    def get_clone_model_override(self):
+        return self.model, (self.backup, self.backup_buffers, self.object_patches_backup, self.pinned)
+
+    def clone(self, disable_dynamic=False, model_override=None, force_deepcopy=False):
+        self.clone_calls.append({"disable_dynamic": disable_dynamic, "model_override": model_override, "force_deepcopy": force_deepcopy})
+        model, backups = model_override if model_override is not None else self.get_clone_model_override()
+        clone = OverridePatcher(model, self.size)
+        clone.backup, clone.backup_buffers, clone.object_patches_backup, clone.pinned = backups
+        clone.patches = {k: v[:] for k, v in self.patches.items()}
+        clone.model_options = copy.deepcopy(self.model_options)
+        clone.cached_patcher_init = self.cached_patcher_init
+        clone.parent = self
+        return clone
+
+
+class OverridePatcher033(OverridePatcher):
+    """A clone with ``model_override`` but no ``disable_dynamic``."""
+
+    def clone(self, model_override=None):
+        return super().clone(model_override=model_override)
+
+
+def test_rebased_asks_comfyui_for_a_non_dynamic_clone_with_fresh_backups():
+    original, module = nn.Linear(2, 2), nn.Linear(2, 2)
+    patcher = OverridePatcher(original)
+    shared = patcher.get_clone_model_override()[1]
+    rebased = glue.rebased(patcher, module)
+    (call,) = patcher.clone_calls
+    assert call["disable_dynamic"] is True and call["force_deepcopy"] is False
+    model, backups = call["model_override"]
+    assert model is module
+    assert [type(b) for b in backups] == [dict, dict, dict, set]
+    assert all(len(b) == 0 for b in backups)
+    assert all(fresh is not old for fresh, old in zip(backups, shared)), "fresh containers, never the original's"
+    assert rebased.model is module and rebased.cached_patcher_init is None
+    assert rebased.size == 0 and patcher.size == 1234, "the copy's size is measured, not the original's"
+    assert patcher.cached_patcher_init == ("load_checkpoint", ("sd15.safetensors",)), "the input patcher keeps its factory"
+    assert rebased.patches == patcher.patches and rebased.model_options == patcher.model_options
+    assert patcher.backup == {"w": 1} and patcher.pinned == {"k"}
+
+
+def test_rebased_without_disable_dynamic():
+    patcher = OverridePatcher033(nn.Linear(2, 2))
+    module = nn.Linear(2, 2)
+    rebased = glue.rebased(patcher, module)
+    (call,) = patcher.clone_calls
+    assert call["disable_dynamic"] is False and call["model_override"][0] is module
+    assert rebased.model is module and rebased.cached_patcher_init is None
+
+
+class LegacyPatcher:
+    """ComfyUI 0.3.x's ModelPatcher, as far as ``rebased`` reads it: ``clone()`` takes no arguments and
+    shares the model-tied fields (backups, patches_uuid, pinned) with its clones."""
+
+    def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
+        self.size = size
+        self.model = model
+        self.patches = {}
+        self.backup = {}
+        self.object_patches = {}
+        self.object_patches_backup = {}
+        self.model_options = {"transformer_options": {}}
+        self.load_device = load_device
+        self.offload_device = offload_device
+        self.weight_inplace_update = weight_inplace_update
+        self.patches_uuid = uuid.uuid4()
+        self.parent = None
+        self.pinned = set()
+        self.callbacks = {}
+        self.wrappers = {}
+        self.is_injected = False
+        self.hook_backup = {}
+
+    def clone(self):
+        n = self.__class__(self.model, self.load_device, self.offload_device, 123, weight_inplace_update=self.weight_inplace_update)
+        n.patches = {k: v[:] for k, v in self.patches.items()}
+        n.patches_uuid = self.patches_uuid
+        n.object_patches = self.object_patches.copy()
+        n.model_options = copy.deepcopy(self.model_options)
+        n.backup = self.backup
+        n.object_patches_backup = self.object_patches_backup
+        n.parent = self
+        n.pinned = self.pinned
+        n.callbacks = {k: {k1: c.copy() for k1, c in v.items()} for k, v in self.callbacks.items()}
+        n.wrappers = {k: {k1: w.copy() for k1, w in v.items()} for k, v in self.wrappers.items()}
+        n.is_injected = self.is_injected
+        n.hook_backup = self.hook_backup
+        return n
+
+
+class LegacySubclass(LegacyPatcher):
+    pass
+
+
+def test_rebased_on_legacy_comfyui_builds_a_new_patcher_with_the_recipe_only():
+    original, module = nn.Linear(2, 2), nn.Linear(2, 2)
+    patcher = LegacySubclass(original, "cuda:0", "cpu", weight_inplace_update=True)
+    wrapper = object()
+    patcher.patches = {"weight": [("lora", 1.0)]}
+    patcher.object_patches = {"manual_cast_dtype": torch.float16}
+    patcher.model_options = {"transformer_options": {"k": "v"}, "sdopt_optimizations": [{"node": "N"}]}
+    patcher.wrappers = {"outer_sample": {"key": [wrapper]}}
+    patcher.callbacks = {"on_clone": {"key": [print]}}
+    patcher.backup = {"weight": "backed-up"}
+    patcher.object_patches_backup = {"x": 1}
+    patcher.pinned = {"weight"}
+    patcher.hook_backup = {"h": 1}
+    patcher.is_injected = True
+
+    fresh = glue.rebased(patcher, module)
+    assert type(fresh) is LegacySubclass and fresh is not patcher
+    assert fresh.model is module and patcher.model is original
+    assert (fresh.load_device, fresh.offload_device, fresh.weight_inplace_update) == ("cuda:0", "cpu", True)
+    # The recipe, as copies.
+    assert fresh.patches == patcher.patches and fresh.patches is not patcher.patches
+    assert fresh.object_patches == patcher.object_patches
+    assert fresh.model_options == patcher.model_options and fresh.model_options is not patcher.model_options
+    assert fresh.wrappers == {"outer_sample": {"key": [wrapper]}} and fresh.wrappers is not patcher.wrappers
+    assert fresh.callbacks == patcher.callbacks
+    # Nothing tied to the original model.
+    assert fresh.backup == {} and fresh.backup is not patcher.backup
+    assert fresh.object_patches_backup == {} and fresh.hook_backup == {}
+    assert fresh.pinned == set() and fresh.pinned is not patcher.pinned
+    assert fresh.patches_uuid != patcher.patches_uuid
+    assert fresh.parent is None and fresh.size == 0 and fresh.is_injected is False
+    fresh.model_options["transformer_options"]["k"] = "changed"
+    assert patcher.model_options["transformer_options"]["k"] == "v"
+
+
+# --- b. refuse_quantized -------------------------------------------------------------------------------
+
+
+class Config033:
+    """ComfyUI 0.33's model config logs and answers None for any missing attribute."""
+
+    asked: list
+
+    def __init__(self):
+        self.asked = []
+
+    def __getattr__(self, name):
+        self.__dict__.setdefault("asked", []).append(name)
+        return None
+
+
+def _model(config, diffusion_model=None):
+    base = types.SimpleNamespace(model_config=config, diffusion_model=diffusion_model or nn.Linear(2, 2))
+    return types.SimpleNamespace(model=base)
+
+
+class MixedOps:
+    quant_config = {"mixed_ops": True}
+
+
+class ScaledFp8:
+    scaled_fp8 = torch.float8_e4m3fn
+
+
+class Plain:
+    quant_config = None
+    scaled_fp8 = None
+
+
+class QuantizedTensor(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize("config", [MixedOps(), ScaledFp8()], ids=["quant_config", "scaled_fp8"])
+def test_refuse_quantized_configs(config):
+    with pytest.raises(UserError, match=r"^weight_dtype: this model holds quantized weights"):
+        glue.refuse_quantized(_model(config), "weight_dtype")
+
+
+def test_refuse_quantized_instance_attribute():
+    config = Plain()
+    config.scaled_fp8 = torch.float8_e4m3fn  # as ComfyUI's model detection sets it
+    with pytest.raises(UserError, match="^dtype: "):
+        glue.refuse_quantized(_model(config), "dtype")
+
+
+def test_refuse_quantized_tensor_subclass_parameters():
+    module = nn.Linear(2, 2)
+    module.weight = nn.Parameter(torch.randn(2, 2).as_subclass(QuantizedTensor), requires_grad=False)
+    assert type(module.weight) is QuantizedTensor, "Parameter keeps a tensor subclass's type"
+    with pytest.raises(UserError, match="weight_dtype"):
+        glue.refuse_quantized(_model(Plain(), module), "weight_dtype")
+
+
+def test_plain_models_pass_without_calling_getattr():
+    config = Config033()
+    assert config.anything is None and config.asked == ["anything"], "the fake behaves like 0.33's"
+    config.asked.clear()
+    glue.refuse_quantized(_model(config), "weight_dtype")
+    glue.refuse_quantized(_model(Plain()), "weight_dtype")
+    assert config.asked == [], "quantization is read without __getattr__"
+
+
+# --- c. _shallow_module_copy --------------------------------------------------------------------------
+
+
+def test_shallow_module_copy_has_its_own_tables():
+    original = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    original.register_buffer("scale", torch.ones(1))
+    original.tag = "shared"
+    child, weight = original[0], original[0].weight
+    duplicate = glue._shallow_module_copy(original)
+    assert type(duplicate) is nn.Sequential and duplicate.tag == "shared"
+    assert duplicate[0] is child, "children are shared until replaced"
+    duplicate[0] = nn.Identity()
+    duplicate.scale = torch.zeros(1)
+    duplicate.extra = nn.Parameter(torch.ones(1))
+    assert original[0] is child and original[0].weight is weight
+    assert torch.equal(original.scale, torch.ones(1)) and not hasattr(original, "extra")
+    assert isinstance(duplicate[0], nn.Identity)
+
+
+# --- d. private_copy -----------------------------------------------------------------------------------
+
+
+class BaseModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.diffusion_model = nn.Sequential(nn.Conv2d(4, 4, 3), nn.Linear(4, 4))
+        self.model_config = Plain()
+        self.current_weight_patches_uuid = None
+        self.current_patcher = "the input's patcher"
+
+
+class LoadedModel:
+    def __init__(self, patcher):
+        self.model = patcher
+        self.unloaded = 0
+
+    def model_unload(self):
+        self.unloaded += 1
+        return True
+
+
+@pytest.fixture
+def model_management(monkeypatch):
+    archived = []
+    mm = install(monkeypatch, "comfy.model_management", current_loaded_models=[], archive_model_dtypes=archived.append)
+    mm.archived = archived
+    return mm
+
+
+def test_private_copy_converts_a_copy_and_leaves_the_input(model_management):
+    base = BaseModel()
+    patcher = OverridePatcher(base)
+    other = LoadedModel(OverridePatcher(BaseModel()))
+    mine, dead = LoadedModel(patcher.clone()), LoadedModel(None)
+    model_management.current_loaded_models[:] = [other, mine, dead]
+    original_unet = base.diffusion_model
+    weights = {k: v.clone() for k, v in base.state_dict().items()}
+    converted = []
+
+    def convert(module):
+        converted.append(module)
+        return converted_copy(module, torch.float16)
+
+    copy_patcher = glue.private_copy(patcher, convert)
+    assert converted == [original_unet]
+    assert mine.unloaded == 1 and other.unloaded == 0 and dead.unloaded == 0
+    assert model_management.current_loaded_models == [other, dead]
+    copied = copy_patcher.model
+    assert isinstance(copied, BaseModel) and copied is not base
+    assert copied.model_config is base.model_config, "the rest of the BaseModel is shared"
+    assert copied.diffusion_model is not original_unet
+    assert {p.dtype for p in copied.diffusion_model.parameters()} == {torch.float16}
+    assert base.diffusion_model is original_unet and base.current_patcher == "the input's patcher"
+    assert all(torch.equal(v, weights[k]) and v.dtype == torch.float32 for k, v in base.state_dict().items())
+    assert copied.current_patcher is None
+    assert model_management.archived == [copied.diffusion_model]
+    assert patcher.model is base and copy_patcher.cached_patcher_init is None
+
+
+def test_private_copy_on_legacy_comfyui(monkeypatch):
+    install(monkeypatch, "comfy.model_management", current_loaded_models=[])  # no archive_model_dtypes before 0.38
+    base = BaseModel()
+    patcher = LegacyPatcher(base, "cpu", "cpu")
+    patcher.model_options["sdopt_optimizations"] = [{"node": "N", "requested": "a", "active": "b", "note": ""}]
+    copy_patcher = glue.private_copy(patcher, lambda module: converted_copy(module, torch.bfloat16))
+    assert copy_patcher.model is not base and copy_patcher.model.diffusion_model[1].weight.dtype == torch.bfloat16
+    assert copy_patcher.model_options == patcher.model_options
+    assert base.diffusion_model[1].weight.dtype == torch.float32
+
+
+def test_private_copy_refuses_weights_still_patched(model_management):
+    base = BaseModel()
+    base.current_weight_patches_uuid = uuid.uuid4()  # an unload that did not restore the weights
+    with pytest.raises(RuntimeError, match="still has patched weights"):
+        glue.private_copy(OverridePatcher(base), lambda module: module)
+    base.current_patcher = types.SimpleNamespace(is_dynamic=lambda: True)  # 0.38's dynamic patcher patches on the fly
+    assert glue.private_copy(OverridePatcher(base), lambda module: module).model is not base
+
+
+def test_private_vae_copy(model_management, prompts):
+    vae = FakeVAE()
+    vae.first_stage_model = nn.Conv2d(3, 3, 1)
+    vae.patcher = OverridePatcher(vae.first_stage_model)
+    vae.sdopt_records = [{"node": "N", "requested": "a", "active": "b", "note": ""}]
+    model_management.current_loaded_models[:] = [LoadedModel(vae.patcher)]
+    original = vae.first_stage_model
+    duplicate = glue.private_vae_copy(vae, lambda module: converted_copy(module, torch.bfloat16))
+    assert model_management.current_loaded_models == []
+    assert vae.first_stage_model is original and original.weight.dtype == torch.float32
+    assert duplicate.first_stage_model.weight.dtype == torch.bfloat16
+    assert duplicate.patcher.model is duplicate.first_stage_model and vae.patcher.model is original
+    assert model_management.archived == [duplicate.first_stage_model]
+    assert duplicate.sdopt_records == vae.sdopt_records and duplicate.sdopt_records is not vae.sdopt_records
+
+
+# --- e. keyed wrappers -----------------------------------------------------------------------------------
+
+
+class WrappersMP:
+    OUTER_SAMPLE = "outer_sample"
+    PREPARE_SAMPLING = "prepare_sampling"
+    SAMPLER_SAMPLE = "sampler_sample"
+    PREDICT_NOISE = "predict_noise"
+    CALC_COND_BATCH = "calc_cond_batch"
+    APPLY_MODEL = "apply_model"
+    DIFFUSION_MODEL = "diffusion_model"
+
+    @classmethod
+    def init_wrappers(cls):
+        return {}
+
+
+class WrappedPatcher:
+    """ComfyUI's wrapper bookkeeping: ``wrappers[type][key] = [fn, ...]``, copied by ``clone``."""
+
+    def __init__(self):
+        self.wrappers = {}
+        self.model_options = {"transformer_options": {}}
+
+    def clone(self):
+        n = WrappedPatcher()
+        n.wrappers = {k: {k1: w.copy() for k1, w in v.items()} for k, v in self.wrappers.items()}
+        n.model_options = copy.deepcopy(self.model_options)
+        return n
+
+    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
+
+    def remove_wrappers_with_key(self, wrapper_type, key):
+        w = self.wrappers.get(wrapper_type, {})
+        if key in w:
+            w.pop(key)
+
+
+@pytest.fixture
+def patcher_extension(monkeypatch):
+    return install(monkeypatch, "comfy.patcher_extension", WrappersMP=WrappersMP)
+
+
+def _keyed(patcher, key):
+    return {kind: by_key[key] for kind, by_key in patcher.wrappers.items() if key in by_key}
+
+
+def test_patched_clone_replaces_its_own_key_and_keeps_others(patcher_extension):
+    def f1(executor, *a, **k): ...
+    def f2(executor, *a, **k): ...
+    def g1(executor, *a, **k): ...
+    def other(executor, *a, **k): ...
+
+    model = WrappedPatcher()
+    model.add_wrapper_with_key("outer_sample", "someone_else", other)
+    model.add_wrapper_with_key("apply_model", "someone_else", other)
+    first = glue.patched_clone(model, "SDOptProfiler", {"OUTER_SAMPLE": f1, "SAMPLER_SAMPLE": f2})
+    assert _keyed(first, "SDOptProfiler") == {"outer_sample": [f1], "sampler_sample": [f2]}
+    second = glue.patched_clone(first, "SDOptProfiler", {"OUTER_SAMPLE": g1})
+    assert _keyed(second, "SDOptProfiler") == {"outer_sample": [g1]}, "the second call's wrappers only"
+    assert _keyed(second, "someone_else") == {"outer_sample": [other], "apply_model": [other]}
+    assert _keyed(first, "SDOptProfiler") == {"outer_sample": [f1], "sampler_sample": [f2]}, "the input clone is unchanged"
+    assert _keyed(model, "SDOptProfiler") == {}
+    third = glue.patched_clone(second, "SDOptProfiler")
+    assert _keyed(third, "SDOptProfiler") == {} and _keyed(third, "someone_else") == _keyed(model, "someone_else")
+
+
+def test_set_wrappers_in_place_twice(patcher_extension):
+    model = WrappedPatcher()
+    glue.set_wrappers(model, "K", {"APPLY_MODEL": print})
+    glue.set_wrappers(model, "K", {"APPLY_MODEL": repr, "DIFFUSION_MODEL": repr})
+    assert _keyed(model, "K") == {"apply_model": [repr], "diffusion_model": [repr]}
+    with pytest.raises(AttributeError):
+        glue.set_wrappers(model, "K", {"NO_SUCH_TYPE": repr})
+
+
+def test_records_on_models_replace_per_node():
+    model = WrappedPatcher()
+    glue.record_model(model, "A", "x", "y")
+    glue.record_model(model, "A", "x", "z", "again")
+    glue.record_model(model, "B", "1", "2")
+    assert glue.model_records(model.model_options) == [
+        {"node": "A", "requested": "x", "active": "z", "note": "again"},
+        {"node": "B", "requested": "1", "active": "2", "note": ""},
+    ]
+    assert model.model_options[glue.RECORDS_KEY] is glue.model_records(model.model_options)
+    clone = model.clone()
+    glue.record_model(clone, "A", "x", "clone")
+    assert glue.model_records(model.model_options)[0]["active"] == "z", "a clone's records are its own"
+
+
+def test_record_in_run_reaches_only_an_active_run():
+    glue.record_in_run("A", "auto", "sdpa")  # no run: nothing happens
+    seed = [{"node": "A", "requested": "auto", "active": "auto (pending)", "note": ""}]
+    run = SamplingRun("r", "cpu", seed)
+    with run.memory_scope():
+        glue.record_in_run("A", "auto", "sdpa", "timed")
+    assert run.optimizations == [{"node": "A", "requested": "auto", "active": "sdpa", "note": "timed"}]
+    assert seed[0]["active"] == "auto (pending)"
+
+
+# --- f. VAE copies -------------------------------------------------------------------------------------
+
+
+class FakeVAE:
+    """Like ComfyUI's VAE: a plain class with decode/encode methods and no clone()."""
+
+    def __init__(self):
+        self.calls = []
+        self.first_stage_model = nn.Identity()
+
+    def decode(self, samples):
+        self.calls.append(("decode", samples))
+        return samples * 2
+
+    def encode(self, pixels):
+        self.calls.append(("encode", pixels))
+        return pixels / 2
+
+
+def _tracing(log, tag):
+    def wrap(name, inner):
+        def call(self, *args, **kwargs):
+            log.append((tag, name, self))
+            return inner(self, *args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def test_wrapped_vae_files_its_records_on_every_call(prompts):
+    vae, log = FakeVAE(), []
+    out = glue.wrap_vae_methods(vae, _tracing(log, "one"))
+    glue.record_vae(out, "SDOptVAEPrecision", "fp16", "fp16")
+    assert not hasattr(vae, "sdopt_records"), "the input VAE gets no records"
+    assert out.decode(3) == 6 and out.encode(4) == 2
+    assert log == [("one", "decode", out), ("one", "encode", out)]
+    assert vae.calls == [("decode", 3), ("encode", 4)], "the shared state is the input's (a shallow copy)"
+    assert glue.prompt_log(PROMPT).records == [{"node": "SDOptVAEPrecision", "requested": "fp16", "active": "fp16", "note": ""}]
+    out.decode(1)
+    assert len(glue.prompt_log(PROMPT).records) == 1, "one record per node, however many calls"
+    glue._prompts.clear()
+    out.decode(1)  # a later prompt served this VAE node from cache: the record comes again
+    assert glue.prompt_log(PROMPT).records[0]["node"] == "SDOptVAEPrecision"
+    assert not hasattr(out, "decode_tiled"), "methods the VAE lacks are not invented"
+
+
+def test_input_vae_methods_are_unchanged(prompts):
+    vae = FakeVAE()
+    glue.wrap_vae_methods(vae, _tracing([], "one"))
+    assert "decode" not in vars(vae) and vae.decode.__func__ is FakeVAE.decode
+    assert vae.decode(2) == 4 and glue.prompt_log(PROMPT).records == []
+
+
+def test_chained_copies_run_every_wrapper_on_their_own_self(prompts):
+    vae, log = FakeVAE(), []
+    first = glue.wrap_vae_methods(vae, _tracing(log, "first"))
+    glue.record_vae(first, "SDOptVAEPrecision", "fp16", "fp16")
+    second = glue.wrap_vae_methods(first, _tracing(log, "second"))
+    glue.record_vae(second, "SDOptVAEAttention", "sdpa", "sdpa")
+    assert second.decode(5) == 10
+    assert log == [("second", "decode", second), ("first", "decode", second)]
+    assert [r["node"] for r in glue.prompt_log(PROMPT).records] == ["SDOptVAEPrecision", "SDOptVAEAttention"]
+    assert [r["node"] for r in first.sdopt_records] == ["SDOptVAEPrecision"], "a later node's record stays on its copy"
+    log.clear()
+    first.decode(1)
+    assert log == [("first", "decode", first)], "the earlier copy still runs only its own wrapper"
+
+
+def test_copy_vae_rebinds_methods_and_copies_records():
+    vae = FakeVAE()
+    vae.sdopt_records = [{"node": "A", "requested": "x", "active": "y", "note": ""}]
+    vae.helper = types.MethodType(lambda self: self, vae)
+    vae.foreign = types.MethodType(lambda self: self, object())
+    duplicate = glue.copy_vae(vae)
+    assert duplicate.helper() is duplicate and vae.helper() is vae
+    assert duplicate.foreign is vae.foreign, "methods bound to something else are left alone"
+    glue.record_vae(duplicate, "A", "x", "z")
+    assert vae.sdopt_records[0]["active"] == "y"
+
+
+# --- the per-prompt context -----------------------------------------------------------------------------
+
+
+def test_prompt_log_keeps_the_latest_prompts(monkeypatch):
+    monkeypatch.setattr(glue, "_prompts", OrderedDict())
+    logs = [glue.prompt_log(str(i)) for i in range(glue._KEPT_PROMPTS + 3)]
+    assert list(glue._prompts) == [str(i) for i in range(3, glue._KEPT_PROMPTS + 3)]
+    assert glue.prompt_log(str(glue._KEPT_PROMPTS + 2)) is logs[-1]
+
+
+def test_current_prompt_and_node_ids(monkeypatch):
+    assert glue.current_prompt_id() == "" and glue.current_node_id() is None, "no ComfyUI: no prompt"
+    server = install(monkeypatch, "server", PromptServer=types.SimpleNamespace(instance=types.SimpleNamespace(last_prompt_id="from-server")))
+    assert glue.current_prompt_id() == "from-server"
+    server.PromptServer.instance = None
+    assert glue.current_prompt_id() == ""
+    context = types.SimpleNamespace(prompt_id="from-context", node_id="7")
+    install(monkeypatch, "comfy_execution.utils", get_executing_context=lambda: context)
+    assert glue.current_prompt_id() == "from-context" and glue.current_node_id() == "7"
+
+
+class ProgressHandler:
+    """comfy_execution.progress.ProgressHandler (≈0.3.45+), as far as the timer uses it."""
+
+    def __init__(self, name):
+        self.name, self.enabled = name, True
+
+    def set_registry(self, registry):
+        pass
+
+    def start_handler(self, node_id, state, prompt_id):
+        pass
+
+    def finish_handler(self, node_id, state, prompt_id):
+        pass
+
+
+@pytest.fixture
+def progress(monkeypatch):
+    """A fake progress registry for prompt ``PROMPT`` whose graph has nodes 3 (KSampler) and 8 (VAEDecode)."""
+    registry = types.SimpleNamespace(
+        prompt_id=PROMPT, handlers={},
+        dynprompt=types.SimpleNamespace(original_prompt={"3": {"class_type": "KSampler"}, "8": {"class_type": "VAEDecode"}}),
+    )
+
+    def add_progress_handler(handler):
+        handler.set_registry(registry)
+        registry.handlers[handler.name] = handler
+
+    install(monkeypatch, "comfy_execution.progress", ProgressHandler=ProgressHandler, get_progress_state=lambda: registry,
+            add_progress_handler=add_progress_handler)
+    install(monkeypatch, "comfy.model_management", get_torch_device=lambda: torch.device("cpu"))
+    return registry
+
+
+def test_node_timer_times_the_executing_node_and_later_ones(progress):
+    assert glue.install_node_timer(PROMPT, "3") is True
+    handler = progress.handlers[glue.HANDLER_NAME]
+    assert glue.install_node_timer(PROMPT, "3") is True and progress.handlers[glue.HANDLER_NAME] is handler, "one timer per prompt"
+    handler.finish_handler("3", None, PROMPT)
+    handler.start_handler("8", None, PROMPT)
+    handler.finish_handler("8", None, PROMPT)
+    handler.finish_handler("99", None, PROMPT)  # never started here (cached): not listed
+    timings = glue.node_timings(PROMPT)
+    assert [(n["id"], n["class_type"]) for n in timings] == [("3", "KSampler"), ("8", "VAEDecode")]
+    assert all(n["seconds"] >= 0 and n["peak_memory_bytes"] > 0 for n in timings)
+    timings.clear()
+    assert len(glue.node_timings(PROMPT)) == 2, "callers get a copy"
+
+
+def test_node_timer_only_for_the_running_prompt(progress):
+    assert glue.install_node_timer("another prompt") is False and progress.handlers == {}
+    assert glue.node_timings("another prompt") == []
+    assert glue.install_node_timer(PROMPT) is True
+    assert glue.node_timings(PROMPT) == [], "no node has finished yet"
+
+
+def test_node_timer_without_a_progress_registry():
+    assert glue.install_node_timer(PROMPT, "3") is False and glue.node_timings(PROMPT) == []
+    assert glue.comfyui_version() is None
+
+
+# --- g. the attention override --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def comfy_attention(monkeypatch):
+    module = types.SimpleNamespace(get_attn_precision=lambda precision, dtype: precision)
+    monkeypatch.setattr(glue, "comfy_attention", lambda: module)
+    return module
+
+
+def _packed_qkv(dtype=torch.float32, batch=2, tokens=24, context=9, heads=4, head_dim=8):
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(batch, tokens, heads * head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(batch, context, heads * head_dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _sdpa_packed(q, k, v, heads):
+    b = q.shape[0]
+    split = [t.view(b, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v)]
+    out = torch.nn.functional.scaled_dot_product_attention(*split)
+    return out.transpose(1, 2).reshape(b, -1, q.shape[-1])
+
+
+class Recorder:
+    def __init__(self, result=None):
+        self.calls, self.result = [], result
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.result
+
+
+@pytest.mark.parametrize("extra", [{"scale": 0.1}, {"enable_gqa": True}, {"scale": 0.1, "enable_gqa": False}])
+def test_override_hands_custom_scale_and_gqa_back_to_comfyui(comfy_attention, extra):
+    attention, report, func = Recorder(), Recorder(), Recorder(result="comfy's output")
+    override = attention_node.comfy_attention_override(attention, report)
+    q, k, v = _packed_qkv()
+    mask = torch.zeros(24, 9)
+    kwargs = {"mask": mask, "attn_precision": torch.float32, "skip_reshape": False, "skip_output_reshape": True,
+              "transformer_options": {"a": 1}, "_inside_attn_wrapper": True, **extra}
+    assert override(func, q, k, v, 4, **kwargs) == "comfy's output"
+    ((args, got),) = func.calls
+    assert args[:3] == (q, k, v) and args[3] == 4 and len(args) == 4
+    assert got == kwargs, "ComfyUI's function receives the same keyword arguments"
+    assert report.calls == [((), {"delegated": True})]
+    assert attention.calls == []
+
+
+@pytest.mark.parametrize("extra", [{}, {"scale": None}, {"enable_gqa": False}, {"transformer_options": {}}])
+def test_override_runs_the_sdopt_attention(comfy_attention, extra):
+    report, func = Recorder(), Recorder()
+    seen = []
+
+    def attention(q, k, v, mask=None):
+        seen.append(q.shape)
+        return naive_attention(q, k, v, mask)
+
+    override = attention_node.comfy_attention_override(attention, report)
+    q, k, v = _packed_qkv()
+    out = override(func, q, k, v, 4, **extra)
+    assert func.calls == [] and report.calls == [((), {})]
+    assert seen == [(2, 4, 24, 8)]
+    torch.testing.assert_close(out, _sdpa_packed(q, k, v, 4), atol=1e-5, rtol=0)
+
+
+def test_override_positional_arguments_and_reshape_flags(comfy_attention):
+    override = attention_node.comfy_attention_override(backend_function("sdpa"), Recorder())
+    q, k, v = _packed_qkv()
+    split = [t.view(2, -1, 4, 8).transpose(1, 2) for t in (q, k, v)]
+    expected = _sdpa_packed(q, k, v, 4)
+    out = override(Recorder(), *split, 4, None, None, True, True)
+    torch.testing.assert_close(out, expected.view(2, -1, 4, 8).transpose(1, 2), atol=1e-5, rtol=0)
+    out = override(Recorder(), *split, 4, skip_reshape=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+def test_override_upcasts_where_comfyui_asks_for_fp32(comfy_attention, monkeypatch):
+    seen = []
+
+    def attention(q, k, v, mask=None):
+        seen.append(q.dtype)
+        return naive_attention(q, k, v, mask)
+
+    override = attention_node.comfy_attention_override(attention, Recorder())
+    q, k, v = _packed_qkv(torch.bfloat16)
+    assert override(Recorder(), q, k, v, 4, attn_precision=torch.float32).dtype == torch.bfloat16
+    assert override(Recorder(), q, k, v, 4).dtype == torch.bfloat16
+    assert seen == [torch.float32, torch.bfloat16]
+    comfy_attention.get_attn_precision = lambda precision, dtype: None  # --dont-upcast-attention
+    override(Recorder(), q, k, v, 4, attn_precision=torch.float32)
+    assert seen[-1] == torch.bfloat16
+    monkeypatch.setattr(glue, "comfy_attention", lambda: types.SimpleNamespace())  # no get_attn_precision
+    override(Recorder(), q, k, v, 4, attn_precision=torch.float32)
+    assert seen[-1] == torch.float32
+
+
+def _attention_model():
+    model = WrappedPatcher()
+    model.load_device = "cpu"
+    model.model_options["transformer_options"]["kept"] = 1
+    return model
+
+
+def test_attention_node_records_what_ran_in_each_run(comfy_attention):
+    comfy_attention.wrap_attn = object()  # ComfyUI 0.3.60+: per-model attention override
+    model = _attention_model()
+    (m,) = attention_node.SDOptAttention().patch(model, "sliced", "fallback", 0, 32)
+    assert attention_node.OVERRIDE_KEY not in model.model_options["transformer_options"], "the input model is unchanged"
+    options = m.model_options["transformer_options"]
+    assert options["kept"] == 1
+    records = glue.model_records(m.model_options)
+    assert records == [{"node": "SDOptAttention", "requested": "sliced", "active": "sliced", "note": ""}]
+    override = options[attention_node.OVERRIDE_KEY]
+    q, k, v = _packed_qkv()
+    run = SamplingRun("r", "cpu", records)
+    with run.memory_scope():
+        torch.testing.assert_close(override(Recorder(), q, k, v, 4), _sdpa_packed(q, k, v, 4), atol=1e-5, rtol=0)
+        assert run.optimizations[0]["active"] == "sliced"
+        override(Recorder(), q, k, v, 4, scale=0.5)
+    assert run.optimizations == [{"node": "SDOptAttention", "requested": "sliced", "active": "sliced", "note": attention_node.DELEGATED}]
+    assert records[0]["note"] == "", "the model's own record is not changed by a run"
+
+
+def test_attention_node_auto_is_pending_until_sampling(comfy_attention):
+    comfy_attention.wrap_attn = object()
+    (m,) = attention_node.SDOptAttention().patch(_attention_model(), "auto", "fallback", 0, 32)
+    (record,) = glue.model_records(m.model_options)
+    assert record["active"] == "auto (pending)" and record["note"] == attention_node.AUTO_NOTE
+    run = SamplingRun("r", "cpu", [record])
+    with run.memory_scope():
+        m.model_options["transformer_options"][attention_node.OVERRIDE_KEY](Recorder(), *_packed_qkv(), 4)
+    (ran,) = run.optimizations
+    assert ran["active"] != "auto (pending)" and "rejected: " in ran["note"] and "sdpa_efficient (sdpa_efficient needs CUDA)" in ran["note"]
+
+
+def test_attention_node_falls_back_with_a_note(comfy_attention):
+    comfy_attention.wrap_attn = object()
+    (m,) = attention_node.SDOptAttention().patch(_attention_model(), "sdpa_efficient", "fallback", 0, 32)
+    (record,) = glue.model_records(m.model_options)
+    assert record["active"] == "sdpa" and record["note"] == "fallback from sdpa_efficient to sdpa: sdpa_efficient needs CUDA"
+    with pytest.raises(UserError, match="needs CUDA"):
+        attention_node.SDOptAttention().patch(_attention_model(), "sdpa_efficient", "error", 0, 32)
+
+
+def test_attention_node_on_comfyui_without_the_override(comfy_attention):
+    model = _attention_model()
+    (m,) = attention_node.SDOptAttention().patch(model, "sdpa", "fallback", 0, 32)
+    assert attention_node.OVERRIDE_KEY not in m.model_options["transformer_options"]
+    assert glue.model_records(m.model_options)[0]["active"] == "ComfyUI default"
+    with pytest.raises(UserError, match="^backend: this ComfyUI has no per-model attention override"):
+        attention_node.SDOptAttention().patch(model, "sdpa", "error", 0, 32)
+
+
+# --- h. the profiler wrappers ----------------------------------------------------------------------------
+
+
+class SamplerExecutor:
+    """ComfyUI's SAMPLER_SAMPLE executor: records what it got and calls the callback once per step."""
+
+    def __init__(self, steps=3):
+        self.steps, self.calls = steps, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        callback = args[3] if len(args) > 3 else kwargs.get("callback")
+        for i in range(self.steps):
+            if callback is not None:
+                callback(i, None, None, self.steps)
+        return "samples"
+
+
+def test_sampler_sample_wraps_a_positional_callback_and_passes_the_rest(monkeypatch):
+    heard, executor = [], SamplerExecutor()
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        out = profiler_node._sampler_sample(executor, "guider", "sigmas", {"x": 1}, lambda *a: heard.append(a), "noise", "latent",
+                                            denoise_mask=None, disable_pbar=True, new_argument="passed")
+    assert out == "samples"
+    ((args, kwargs),) = executor.calls
+    assert args[:3] == ("guider", "sigmas", {"x": 1}) and args[4:] == ("noise", "latent")
+    assert kwargs == {"denoise_mask": None, "disable_pbar": True, "new_argument": "passed"}
+    assert heard == [(i, None, None, 3) for i in range(3)], "the original callback still hears every step"
+    assert len(run.result().steps) == 3
+
+
+def test_sampler_sample_wraps_a_keyword_callback(monkeypatch):
+    heard, executor = [], SamplerExecutor(2)
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        profiler_node._sampler_sample(executor, "guider", "sigmas", callback=lambda *a: heard.append(a), latent_shapes=[(1, 4, 8, 8)])
+    ((args, kwargs),) = executor.calls
+    assert args == ("guider", "sigmas") and kwargs["latent_shapes"] == [(1, 4, 8, 8)]
+    assert len(heard) == 2 and len(run.result().steps) == 2
+
+
+def test_sampler_sample_steps_without_a_callback():
+    executor = SamplerExecutor(2)
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        profiler_node._sampler_sample(executor, "guider", "sigmas", {}, None, "noise")
+    (args, _), = executor.calls
+    assert callable(args[3]) and len(run.result().steps) == 2
+
+
+def test_sampler_sample_outside_a_run_passes_everything_unchanged():
+    executor, callback = SamplerExecutor(1), print
+    assert active_run() is None
+    profiler_node._sampler_sample(executor, "g", "s", {}, callback, extra=1)
+    assert executor.calls == [(("g", "s", {}, callback), {"extra": 1})]
+
+
+class OuterExecutor:
+    """ComfyUI's OUTER_SAMPLE executor: ``class_obj`` is the guider; sampling runs the inner wrapper."""
+
+    def __init__(self, records):
+        self.class_obj = types.SimpleNamespace(model_patcher=types.SimpleNamespace(load_device="cpu"),
+                                               model_options={glue.RECORDS_KEY: records})
+        self.calls = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        assert active_run() is not None, "sampling runs inside the run's memory scope"
+        return profiler_node._sampler_sample(SamplerExecutor(4), self.class_obj, "sigmas", {}, None, "noise")
+
+
+def test_outer_sample_files_a_run_and_passes_new_arguments(prompts, monkeypatch):
+    timers = []
+    monkeypatch.setattr(glue, "install_node_timer", lambda prompt_id, node_id=None: timers.append((prompt_id, node_id)))
+    monkeypatch.setattr(glue, "current_node_id", lambda: "5")
+    records = [{"node": "SDOptAttention", "requested": "auto", "active": "auto (pending)", "note": ""}]
+    executor = OuterExecutor(records)
+    outer = profiler_node._outer_sample("fp16 run")
+    out = outer(executor, "noise", "latent", "sampler", "sigmas", None, None, False, 42, latent_shapes=[(1, 4, 8, 8)])
+    assert out == "samples"
+    assert executor.calls == [(("noise", "latent", "sampler", "sigmas", None, None, False, 42), {"latent_shapes": [(1, 4, 8, 8)]})]
+    assert timers == [(PROMPT, "5")]
+    (run,) = glue.prompt_log(PROMPT).runs
+    assert run["label"] == "fp16 run" and len(run["steps"]) == 4 and run["memory_kind"] == "ram_rss"
+    assert run["optimizations"] == records and run["optimizations"][0] is not records[0]
+    assert active_run() is None
+    outer(executor, "noise", "latent", "sampler", "sigmas")
+    assert len(glue.prompt_log(PROMPT).runs) == 2, "every sampling run is filed"
+
+
+def test_profiler_node_clones_with_its_wrappers(patcher_extension, prompts, monkeypatch):
+    monkeypatch.setattr(glue, "install_node_timer", lambda *a: False)
+    model = WrappedPatcher()
+    (out,) = profiler_node.SDOptProfiler().apply(model, "  base  ")
+    keyed = _keyed(out, profiler_node.NODE)
+    assert set(keyed) == {"outer_sample", "sampler_sample"} and keyed["sampler_sample"] == [profiler_node._sampler_sample]
+    assert _keyed(model, profiler_node.NODE) == {}
+    with pytest.raises(UserError, match="^label: "):
+        profiler_node.SDOptProfiler().apply(model, "   ")

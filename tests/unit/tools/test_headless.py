@@ -1,0 +1,115 @@
+"""tools.headless without ComfyUI: ComfyHost booted over fake ComfyUI modules (which PromptExecutor
+arguments it passes), and the stand-in server's events and failure messages. The host tier boots the
+real ComfyUI."""
+import enum
+import sys
+import types
+
+import pytest
+
+from sdopt.nodes import glue
+from sdopt.tools import headless
+
+
+class CacheType(enum.Enum):
+    CLASSIC = 0
+    LRU = 1
+
+
+class Executor0375:
+    """0.3.75 and newer: the server passes ``cache_args``."""
+
+    def __init__(self, server, cache_type=False, cache_args=None):
+        self.server, self.cache_type, self.cache_args = server, cache_type, cache_args
+
+
+class Executor0364:
+    """0.3.64: no ``cache_args``."""
+
+    def __init__(self, server, cache_type=False, cache_size=None):
+        self.server, self.cache_type, self.cache_size = server, cache_type, cache_size
+
+
+def _fake_comfyui(monkeypatch, executor, loaded=True):
+    """The modules ``ComfyHost`` imports, as fakes; returns what they saw."""
+    seen = {"args_parsing": 0, "argv": None}
+
+    def module(name, **attrs):
+        fake = types.ModuleType(name)
+        fake.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, fake)
+        return fake
+
+    def enable_args_parsing():
+        seen["args_parsing"] += 1
+        seen["argv"] = list(sys.argv)
+
+    async def init_extra_nodes(init_custom_nodes=True, init_api_nodes=True):
+        seen["extra_nodes"] = (init_custom_nodes, init_api_nodes)
+
+    async def load_custom_node(path):
+        seen["custom_node"] = path
+        if loaded:
+            nodes.NODE_CLASS_MAPPINGS[headless.REPORT_NODE] = object
+        return loaded
+
+    comfy = module("comfy")
+    comfy.__path__ = []
+    comfy.options = module("comfy.options", enable_args_parsing=enable_args_parsing)
+    module("utils")
+    module("execution", PromptExecutor=executor, CacheType=CacheType)
+    module("folder_paths")
+    nodes = module("nodes", NODE_CLASS_MAPPINGS={}, init_extra_nodes=init_extra_nodes, load_custom_node=load_custom_node)
+    server = module("server", PromptServer=types.SimpleNamespace(instance=None))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    seen["server"] = server
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("executor", "options"),
+    [(Executor0375, {"cache_args": headless.CACHE_ARGS}), (Executor0364, {})],
+    ids=["0.3.75+", "0.3.64"],
+)
+def test_host_passes_cache_args_where_the_executor_takes_them(monkeypatch, tmp_path, executor, options):
+    seen = _fake_comfyui(monkeypatch, executor)
+    argv = list(sys.argv)
+    host = headless.ComfyHost(tmp_path)
+    made = host._executor
+    assert type(made) is executor and made.server is host._server and made.cache_type is CacheType.CLASSIC
+    if options:
+        assert made.cache_args == {"lru": 0, "ram": 0, "ram_inactive": 0}
+    else:
+        assert made.cache_size is None
+    assert seen["args_parsing"] == 1 and seen["argv"][0] == "main.py" and sys.argv == argv
+    assert seen["extra_nodes"] == (False, False) and seen["custom_node"] == str(headless.PACK_ROOT)
+    assert sys.path[0] == str(tmp_path)
+    assert seen["server"].PromptServer.instance is host._server, "the stand-in server is ComfyUI's server"
+
+
+def test_host_refuses_a_comfyui_that_did_not_load_the_pack(monkeypatch, tmp_path):
+    _fake_comfyui(monkeypatch, Executor0375, loaded=False)
+    with pytest.raises(RuntimeError, match="could not load sdopt"):
+        headless.ComfyHost(tmp_path)
+
+
+def test_server_starts_the_node_timer_with_each_prompt(monkeypatch):
+    started = []
+    monkeypatch.setattr(glue, "install_node_timer", lambda prompt_id, node=None: started.append(prompt_id))
+    server = headless._Server()
+    server.send_sync("execution_start", {"prompt_id": "p"})
+    server.send_sync("execution_cached", {"prompt_id": "p", "nodes": []})
+    server.send_sync(headless.REPORT_EVENT, {"report": {"x": 1}})
+    assert started == ["p"]
+    assert server.reports() == [{"report": {"x": 1}}]
+
+
+def test_failure_messages(monkeypatch):
+    host = headless.ComfyHost.__new__(headless.ComfyHost)
+    host._server = headless._Server()
+    assert host._failure_message() == "the workflow failed (see ComfyUI's log above)"
+    host._server.events.append(("execution_interrupted", {"node_id": "4", "node_type": "KSampler"}))
+    assert host._failure_message() == "the run was interrupted at node 4 (KSampler)"
+    host._server.events.append(("execution_error", {"node_id": "9", "node_type": "SDOptPrecision",
+                                                    "exception_type": "UserError", "exception_message": "weight_dtype: no\n"}))
+    assert host._failure_message() == "node 9 (SDOptPrecision) failed: UserError: weight_dtype: no"
