@@ -68,11 +68,12 @@ def patched_clone(model, key: str, wrappers: dict[str, Callable] | None = None):
 
 
 def model_records(model_options: dict) -> list[dict]:
-    return model_options.setdefault(RECORDS_KEY, [])
+    """The records on a model's options (read only: an empty list where there are none)."""
+    return model_options.get(RECORDS_KEY, [])
 
 
 def record_model(model, node: str, requested: str, active: str, note: str = "") -> None:
-    record(model_records(model.model_options), node, requested, active, note)
+    record(model.model_options.setdefault(RECORDS_KEY, []), node, requested, active, note)
 
 
 def record_in_run(node: str, requested: str, active: str, note: str = "") -> None:

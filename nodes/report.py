@@ -5,6 +5,7 @@ and the report reaches the browser widget (web/sdopt.js) and the headless runner
 ``sdopt.report`` event, so the queue shows only the chart and no empty output cards. When ComfyUI
 served the sampling from its cache, the node shows the last real figures it reported, marked cached.
 """
+import json
 import os
 
 from ..errors import UserError
@@ -13,7 +14,7 @@ from . import glue
 
 NODE = "SDOptProfileReport"
 EVENT = "sdopt.report"
-_last_sampled: dict[str, Report] = {}
+_last_sampled: dict[tuple[str, str], Report] = {}
 
 
 def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
@@ -23,10 +24,12 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
     report = Report(device=device_name(comfy.model_management.get_torch_device()), comfyui=glue.comfyui_version(),
                     runs=list(log.runs), nodes=glue.node_timings(prompt_id), optimizations=list(log.records))
     profiled = any(node.get("class_type") == "SDOptProfiler" for node in (prompt or {}).values())
+    # The same report node in the same graph: another workflow's figures must never stand in for these.
+    key = (node_id, json.dumps({k: v for k, v in (prompt or {}).items() if k != node_id}, sort_keys=True, default=str))
     if report.runs or not profiled:
-        _last_sampled[node_id] = report
-    elif node_id in _last_sampled:
-        report = Report.from_dict(_last_sampled[node_id].to_dict())
+        _last_sampled[key] = report
+    elif key in _last_sampled:
+        report = Report.from_dict(_last_sampled[key].to_dict())
         report.cached = True
         report.notes = ["No sampling ran in this prompt: ComfyUI reused cached results. These are the last real "
                         "figures of this node; change the seed or another sampler input to profile again."]

@@ -33,11 +33,13 @@ def _guarded(vae, source, requested: str, active: str):
                 lambda: inner(self, *args, **kwargs),
                 lambda dtype: getattr(safe_vaes.get(dtype) or safe_vaes.setdefault(dtype, _in_dtype(source, dtype)), method)(*args, **kwargs),
                 self.vae_dtype, self.device)
+            counts, last = tally.setdefault(glue.current_prompt_id(), (Counter(), {}))
             if result.redone or not result.finite:
-                counts = tally.setdefault(glue.current_prompt_id(), Counter())
                 counts[(f"redid {{}} in {dtype_name(result.redone_in[-1])}" if result.redone else "could not redo {}", method.split("_")[0])] += 1
+                last["note"] = f"last {method}: {result.describe()}"
+            if counts:  # every call re-files the node's plain record first, so the prompt's count goes back on top
                 done = "; ".join(text.format(f"{n} {op}{'s' * (n > 1)}") for (text, op), n in sorted(counts.items()))
-                record(glue.prompt_log().records, NODE, requested, f"{active} (NaN guard {done})", f"last {method}: {result.describe()}")
+                record(glue.prompt_log().records, NODE, requested, f"{active} (NaN guard {done})", last["note"])
             return result.output
         return guarded
 

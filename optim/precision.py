@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -145,15 +144,20 @@ def _probe_once(device: torch.device, dtype: torch.dtype) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _bf16_over_fp32(device: str) -> float:
-    """bf16's time over fp32's on the probe: the median of 3 after a warm-up each, stopping early
-    when bf16's warm-up alone is already 5 times fp32 (CPUs without bf16 kernels take seconds)."""
+    """bf16's time over fp32's on the probe, the fastest of 5 interleaved rounds after a warm-up of
+    each (interference only ever adds time). A bf16 warm-up already 20 times fp32's ends the probe
+    early: CPUs without bf16 kernels take seconds per call."""
     dev = torch.device(device)
     _probe_once(dev, torch.float32)
-    fp32 = statistics.median(_probe_once(dev, torch.float32) for _ in range(3))
+    fp32 = [_probe_once(dev, torch.float32)]
     first = _probe_once(dev, torch.bfloat16)
-    if first > 5 * fp32:
-        return first / fp32
-    return statistics.median(_probe_once(dev, torch.bfloat16) for _ in range(3)) / fp32
+    if first > 20 * fp32[0]:
+        return first / fp32[0]
+    bf16 = []
+    for _ in range(5):
+        fp32.append(_probe_once(dev, torch.float32))
+        bf16.append(_probe_once(dev, torch.bfloat16))
+    return min(bf16) / min(fp32)
 
 
 def pick_dtype(device: torch.device | str) -> AutoPick:

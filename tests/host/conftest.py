@@ -1,10 +1,17 @@
 """Host tier: real ComfyUI from $COMFYUI_PATH, booted once per session with sdopt loaded.
 
-Skipped, with the reason shown, when COMFYUI_PATH is unset. The mini checkpoint is
-generated once into $SDOPT_TEST_MODELS (default: a session temp folder).
+Skipped, with the reason shown, when COMFYUI_PATH is unset (CI always sets it). The mini
+checkpoint is generated once into $SDOPT_TEST_MODELS (default: a session temp folder).
+
+ComfyUI imports the pack under a module name of its own, so module state (the prompt logs in
+``nodes.glue``, the profiler's active run, the report node's last figures, the ``UserError``
+class) lives in that copy: tests reach it through ``comfy_host.pack("nodes.glue")``, never
+through the ``sdopt`` they import.
 """
-import importlib
+import copy
 import os
+import sys
+import uuid
 from functools import cached_property
 from pathlib import Path
 
@@ -14,13 +21,28 @@ import torch
 from sdopt.errors import UserError
 
 CHECKPOINT = "sdopt-mini-sd15.safetensors"
+WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 # The plain sampling run that node tests compare patched clones on: 2 euler steps at 64x64.
 STEPS, SIZE, SEED, CFG = 2, 64, 42, 7.0
 PROMPT = "a lighthouse on a cliff"
+# What workflow tests set on the shipped workflows (512x512, 20 steps) to stay fast on a CPU.
+SMALL = ["KSampler.steps=2", "EmptyLatentImage.width=64", "EmptyLatentImage.height=64"]
+# Workflow inputs of sd15_precision_attention.json that keep a CPU run fast and fp32-exact.
+FP32_PRECISION_ATTENTION = [
+    "SDOptPrecision.weight_dtype=default",
+    "SDOptPrecision.compute_dtype=fp32",
+    "SDOptPrecision.tf32=false",
+    "SDOptVAEPrecision.dtype=default",
+]
 
 
 class ComfyHostFixture:
-    """The booted ComfyUI host plus the generated mini checkpoint."""
+    """The booted ComfyUI host plus the generated mini checkpoint, and the helpers host tests share
+    (test modules cannot import conftest under ``--import-mode=importlib``)."""
+
+    WORKFLOWS = WORKFLOWS
+    SMALL = SMALL
+    FP32_PRECISION_ATTENTION = FP32_PRECISION_ATTENTION
 
     def __init__(self, host, checkpoint: Path):
         self.host = host
@@ -29,6 +51,10 @@ class ComfyHostFixture:
     @property
     def nodes(self) -> dict:
         return self.host.node_classes
+
+    @property
+    def models(self) -> Path:
+        return self.checkpoint.parent
 
     @cached_property
     def _loaded(self):
@@ -44,14 +70,12 @@ class ComfyHostFixture:
         return self._loaded
 
     def pack(self, name: str):
-        """Module ``name`` (e.g. ``"nodes.records"``) of the pack as ComfyUI loaded it.
+        """Module ``name`` (e.g. ``"nodes.glue"``) of the pack as ComfyUI loaded it."""
+        return self.host.pack(name)
 
-        ComfyUI imports the pack under a module name of its own, so module state (the
-        profiler's active run, prompt notes, the ``UserError`` class) lives in that copy,
-        not in the ``sdopt`` the tests import.
-        """
-        package = self.nodes["SDOptProfiler"].__module__.rsplit(".nodes.", 1)[0]
-        return importlib.import_module(f"{package}.{name}")
+    @property
+    def glue(self):
+        return self.pack("nodes.glue")
 
     @cached_property
     def _conds(self):
@@ -69,12 +93,31 @@ class ComfyHostFixture:
         positive, negative = self._conds
         return nodes.common_ksampler(model, SEED, STEPS, CFG, "euler", "normal", positive, negative, latent)[0]["samples"]
 
+    def prompt(self, workflow, overrides=()) -> dict:
+        """The API prompt of a workflow file (UI or API format) or dict, with ``--set`` overrides."""
+        from sdopt.tools.workflow import load_workflow
+
+        data = load_workflow(workflow) if isinstance(workflow, (str, Path)) else copy.deepcopy(workflow)
+        return self.host.prompt_from(data, list(overrides))
+
     def run(self, workflow, overrides=()):
         """Run a workflow file (UI or API format) or an API prompt dict; returns a WorkflowOutcome."""
-        from sdopt.workflow import load_workflow
+        return self.host.execute(self.prompt(workflow, overrides))
 
-        data = load_workflow(workflow) if isinstance(workflow, (str, Path)) else workflow
-        return self.host.execute(self.host.prompt_from(data, list(overrides)))
+    def reports(self) -> list[dict]:
+        """The ``sdopt.report`` events of the last prompt, as the browser would receive them."""
+        return self.host._server.reports()
+
+    @staticmethod
+    def node_id(prompt: dict, class_type: str) -> str:
+        """The id of the one node of ``class_type`` in an API prompt."""
+        (found,) = [key for key, node in prompt.items() if node["class_type"] == class_type]
+        return found
+
+    @staticmethod
+    def wrapper_counts(model, key: str) -> dict[str, int]:
+        """{WrappersMP type: number of wrappers} that ``model`` carries under ``key``, over every type."""
+        return {kind: len(keys[key]) for kind, keys in model.wrappers.items() if keys.get(key)}
 
 
 @pytest.fixture(scope="session")
@@ -82,8 +125,8 @@ def comfy_host(tmp_path_factory):
     path = os.environ.get("COMFYUI_PATH")
     if not path:
         pytest.skip("host tier: COMFYUI_PATH is not set (point it at a ComfyUI checkout to run these)")
-    from sdopt.nodes.headless import boot
-    from sdopt.optim.modelgen import write_checkpoint
+    from sdopt.tools.headless import boot
+    from sdopt.tools.modelgen import write_checkpoint
 
     models = Path(os.environ.get("SDOPT_TEST_MODELS") or tmp_path_factory.mktemp("models"))
     checkpoint = models / CHECKPOINT
@@ -96,3 +139,21 @@ def comfy_host(tmp_path_factory):
     host.add_models_folder(models)
     host.set_output_folder(tmp_path_factory.mktemp("output"))
     return ComfyHostFixture(host, checkpoint)
+
+
+@pytest.fixture
+def prompt_context(comfy_host):
+    """A fresh prompt id set as ComfyUI's executing context, as while a node runs; records filed
+    by decodes land in ``comfy_host.glue.prompt_log(prompt_id)``."""
+    from comfy_execution.utils import CurrentNodeContext
+
+    prompt_id = f"test-{uuid.uuid4().hex}"
+    with CurrentNodeContext(prompt_id, "1"):
+        yield prompt_id
+
+
+@pytest.fixture
+def no_xformers(monkeypatch):
+    """xformers cannot be imported, installed or not: the fallback path runs on every machine."""
+    for name in ("xformers", "xformers.ops"):
+        monkeypatch.setitem(sys.modules, name, None)

@@ -5,10 +5,11 @@ latent within ``REL_TOL`` of its largest magnitude, and the model it was made fr
 producing the stock latent bit for bit.
 
 The nodes come from ComfyUI's own import of the pack (under a module name of ComfyUI's choosing),
-and module-level state (the profiler's active run, the prompt notes, the ``UserError`` class) is
-per imported copy, so those are taken from that copy through ``_pack``.
+and module-level state (the profiler's active run, the prompt logs, the ``UserError`` class) is
+per imported copy, so those are taken from that copy through ``comfy_host.pack``.
 """
 import copy
+import uuid
 
 import pytest
 import torch
@@ -45,8 +46,6 @@ def test_nodes_are_registered_with_every_backend(comfy_host):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_patched_sampling_matches_stock_and_leaves_the_model_alone(comfy_host, mini, backend):
-    from sdopt.nodes.records import optimization_records
-
     model, stock = mini["model"], mini["stock"]
     options_before = copy.copy(model.model_options)
     patched = _patch(comfy_host, model, backend)
@@ -54,8 +53,8 @@ def test_patched_sampling_matches_stock_and_leaves_the_model_alone(comfy_host, m
     assert (out - stock).abs().max().item() <= REL_TOL * stock.abs().max().item()
     assert torch.equal(mini["sample"](model), stock), "the model the node was given must be unchanged"
     assert model.model_options == options_before
-    (record,) = [r for r in optimization_records(patched.model_options) if r["node"] == "SDOptAttention"]
-    assert record["requested"] == backend
+    (record,) = comfy_host.glue.model_records(patched.model_options)
+    assert record["node"] == "SDOptAttention" and record["requested"] == backend
     assert record["active"] == ("auto (pending)" if backend == "auto" else backend)
 
 
@@ -67,13 +66,27 @@ def test_override_is_shared_by_downstream_clones(comfy_host, mini):
     assert "optimized_attention_override" not in mini["model"].model_options.get("transformer_options", {})
 
 
+def test_chained_nodes_keep_one_record_and_the_second_override(comfy_host, mini):
+    first = _patch(comfy_host, mini["model"], "naive")
+    second = _patch(comfy_host, first, "sub_quadratic")
+    (record,) = comfy_host.glue.model_records(second.model_options)
+    assert record["requested"] == "sub_quadratic"
+    overrides = [m.model_options["transformer_options"]["optimized_attention_override"] for m in (first, second)]
+    assert overrides[0] is not overrides[1]
+    run = comfy_host.pack("measure.profiler").SamplingRun("chained", mini["model"].load_device, [record])
+    with run.memory_scope():
+        out = mini["sample"](second)
+    (ran,) = run.optimizations
+    assert (ran["requested"], ran["active"]) == ("sub_quadratic", "sub_quadratic"), "the second node's backend ran"
+    assert (out - mini["stock"]).abs().max().item() <= REL_TOL * mini["stock"].abs().max().item()
+
+
 def test_auto_pick_reaches_the_profiled_run(comfy_host, mini):
-    from sdopt.nodes.records import optimization_records
     from sdopt.optim.attention import backend_names
 
-    SamplingRun = comfy_host.pack("optim.profiler").SamplingRun
+    SamplingRun = comfy_host.pack("measure.profiler").SamplingRun
     patched = _patch(comfy_host, mini["model"], "auto")
-    run = SamplingRun("attention", "cpu", optimization_records(patched.model_options))
+    run = SamplingRun("attention", mini["model"].load_device, comfy_host.glue.model_records(patched.model_options))
     with run.memory_scope():
         run.start()
         mini["sample"](patched)
@@ -84,18 +97,11 @@ def test_auto_pick_reaches_the_profiled_run(comfy_host, mini):
     assert "ms" in record["note"] and "rejected:" in record["note"]
 
 
-def test_missing_package_falls_back_or_raises(comfy_host, mini):
-    from sdopt.nodes.records import optimization_records
-    from sdopt.optim.attention import available
-
+def test_missing_package_falls_back_or_raises(comfy_host, mini, no_xformers):
     UserError = comfy_host.pack("errors").UserError
 
-    q = torch.zeros(1, 1, 1, 8)
-    reason = available("xformers", q, q, q).reason
-    if "not installed" not in reason:
-        pytest.skip(f"xformers is installed here ({reason or 'and runs'})")
     patched = _patch(comfy_host, mini["model"], "xformers")
-    (record,) = optimization_records(patched.model_options)
+    (record,) = comfy_host.glue.model_records(patched.model_options)
     assert record["active"] == "sdpa"
     assert record["note"] == "fallback from xformers to sdpa: xformers is not installed: pip install xformers"
     out = mini["sample"](patched)
@@ -108,17 +114,14 @@ def test_missing_package_falls_back_or_raises(comfy_host, mini):
 def test_vae_node_patches_only_during_decode(comfy_host, mini, backend):
     from comfy_execution.utils import CurrentNodeContext
 
-    from sdopt.nodes.attention import vae_attention_blocks
-
-    prompt_notes = comfy_host.pack("nodes.records").prompt_notes
-
+    glue = comfy_host.glue
     vae, latent = mini["vae"], mini["stock"]
-    blocks = vae_attention_blocks(vae)
+    blocks = comfy_host.pack("nodes.vae_attention").attention_blocks(vae)
     assert blocks, "the SD VAE has mid-block attention"
     stock_attention = [block.optimized_attention for block in blocks]
     expected = vae.decode(latent)
     expected_tiled = vae.decode_tiled(latent, 8, 8, 2)
-    prompt_id = f"attention-vae-{backend}"
+    prompt_id = f"attention-vae-{backend}-{uuid.uuid4().hex}"
     with CurrentNodeContext(prompt_id, "1"):
         (patched,) = comfy_host.nodes["SDOptVAEAttention"]().patch(vae, backend, "fallback", 0, 32)
         assert patched is not vae
@@ -128,9 +131,12 @@ def test_vae_node_patches_only_during_decode(comfy_host, mini, backend):
     assert (tiled - expected_tiled).abs().max().item() <= VAE_ATOL
     assert [block.optimized_attention for block in blocks] == stock_attention, "restored after the decode"
     assert torch.equal(vae.decode(latent), expected), "the given VAE keeps the stock attention"
-    (note,) = prompt_notes(prompt_id)
-    assert note["node"] == "SDOptVAEAttention" and note["requested"] == backend
-    assert note["active"] != "auto (pending)"
+    (record,) = glue.prompt_log(prompt_id).records
+    assert record["node"] == "SDOptVAEAttention" and record["requested"] == backend
+    assert record["active"] != "auto (pending)"
+    if backend == "sub_quadratic":
+        assert record["active"] == "sub_quadratic"
+    assert not hasattr(vae, "sdopt_records") or vae.sdopt_records == [], "the given VAE carries no record"
 
 
 def test_workflow_reports_what_ran(comfy_host):

@@ -1,27 +1,18 @@
-"""SDOptPrecision and SDOptVAEPrecision in real ComfyUI, on the mini checkpoint.
+"""SDOptPrecision in real ComfyUI, on the mini checkpoint.
 
-Two sampling steps at 64x64 with the original model and with patched clones: outputs
-stay finite and close to fp32, and the original model (shared, like ComfyUI's cache
-shares it) is bit-identical afterwards. The VAE node's NaN guard is shown on a copy of
-the mini VAE whose decoder overflows fp16.
+Two sampling steps at 64x64 with the original model and with patched clones: outputs stay finite
+and close to fp32, and the original model (shared, like ComfyUI's cache shares it) is
+bit-identical afterwards. Chained nodes end with the second one's settings, wrappers and record;
+``auto`` records what it picked and why.
 """
-import uuid
-
 import pytest
 import torch
 
 from sdopt.optim.precision import compute_supported, dtype_name
 
+NODE = "SDOptPrecision"
 # Relative L2 error of the sampled latent against the fp32 model's.
 REL_TOL = {"bf16": 0.06, "fp16": 0.01, "fp8_e4m3fn": 0.25, "fp32": 1e-4}
-# A decode of the mini VAE in bf16, and the guard's redo of an overflowing fp16 decode.
-VAE_REL_TOL = 0.03
-# Below this, a "bf16" decode really ran the fp32 weights.
-BF16_MIN_REL_ERR = 1e-3
-# Latent side for VAE decodes: fp16 convolutions are very slow on some CPUs.
-VAE_LATENT = 4
-# Where decoder.conv_in's largest output lands after scaling: past fp16's 65504.
-OVERFLOW_TARGET = 3e5
 
 
 def rel_err(out, ref):
@@ -43,8 +34,12 @@ def device(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def records(comfy_host):
-    return comfy_host.pack("nodes.records")
+def glue(comfy_host):
+    return comfy_host.glue
+
+
+def precision_records(glue, model) -> list[dict]:
+    return [r for r in glue.model_records(model.model_options) if r["node"] == NODE]
 
 
 def _tf32_flags():
@@ -65,6 +60,15 @@ def _spy(seen: dict):
     return spy
 
 
+def sample_with_spy(comfy_host, model):
+    """(latent, what the UNet saw) for ``model``, spied on a clone so ``model`` keeps its wrappers."""
+    import comfy.patcher_extension
+
+    spied, seen = model.clone(), {}
+    spied.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test.spy", _spy(seen))
+    return comfy_host.sample(spied), seen
+
+
 def _cases(device):
     half = "fp16" if compute_supported(torch.float16, device) else "bf16"
     fp8_compute = "bf16" if compute_supported(torch.bfloat16, device) else "fp32"
@@ -82,25 +86,24 @@ def _cases(device):
 
 
 @pytest.fixture(scope="module")
-def runs(comfy_host, checkpoint, device):
+def runs(comfy_host, checkpoint, device, glue):
     """Sample with the original, every patched clone, then the original again."""
-    import comfy.patcher_extension
-
     model = checkpoint[0]
-    node = comfy_host.nodes["SDOptPrecision"]()
+    node = comfy_host.nodes[NODE]()
     original = {
         "dtypes": stored_dtypes(model.model.diffusion_model),
         "model_dtype": model.model_dtype(),
         "manual_cast": model.model.manual_cast_dtype,
+        "wrappers": {kind: dict(keys) for kind, keys in model.wrappers.items()},
+        "options": set(model.model_options),
     }
     reference = comfy_host.sample(model)
     flags_before = _tf32_flags()
     results = {}
     for name, (tol_key, inputs) in _cases(device).items():
         patched = node.patch(model, **inputs)[0]
-        seen = {}
-        patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test.spy", _spy(seen))
-        results[name] = dict(inputs=inputs, tol=REL_TOL[tol_key], model=patched, out=comfy_host.sample(patched), seen=seen)
+        out, seen = sample_with_spy(comfy_host, patched)
+        results[name] = dict(inputs=inputs, tol=REL_TOL[tol_key], model=patched, out=out, seen=seen)
     return dict(
         model=model,
         original=original,
@@ -112,7 +115,7 @@ def runs(comfy_host, checkpoint, device):
     )
 
 
-def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs):
+def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs, glue):
     model, original = runs["model"], runs["original"]
     assert torch.isfinite(runs["reference"]).all()
     assert torch.equal(runs["reference"], runs["again"])
@@ -120,6 +123,9 @@ def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs):
     assert model.model_dtype() == original["model_dtype"]
     assert model.model.manual_cast_dtype == original["manual_cast"]
     assert model.get_model_object("manual_cast_dtype") == original["manual_cast"]
+    assert {kind: dict(keys) for kind, keys in model.wrappers.items()} == original["wrappers"]
+    assert set(model.model_options) == original["options"]
+    assert glue.RECORDS_KEY not in model.model_options, "records go on the clones only"
 
 
 @pytest.mark.parametrize("case", range(3))
@@ -134,6 +140,10 @@ def test_patched_output_is_finite_and_close_to_fp32(runs, case):
 
 def _result(runs, prefix):
     return next(r for name, r in runs["results"].items() if name.startswith(prefix))
+
+
+def _half(runs):
+    return next(r for name, r in runs["results"].items() if "compute, tf32, channels_last" in name)
 
 
 def test_weight_dtype_makes_a_private_copy_in_that_dtype(runs):
@@ -154,7 +164,7 @@ def test_weight_dtype_makes_a_private_copy_in_that_dtype(runs):
 
 
 def test_compute_dtype_clone_shares_weights_and_scopes_tf32(runs):
-    half = next(r for name, r in runs["results"].items() if "compute, tf32, channels_last" in name)
+    half = _half(runs)
     assert half["model"].model is runs["model"].model
     assert dtype_name(half["seen"]["x_dtype"]) == half["inputs"]["compute_dtype"]
     assert half["seen"]["x_channels_last"], "channels_last without a copy makes the activations channels-last"
@@ -163,14 +173,121 @@ def test_compute_dtype_clone_shares_weights_and_scopes_tf32(runs):
     assert _result(runs, "bf16 weights")["seen"]["tf32"] == runs["flags_before"], "tf32 off leaves the flags alone"
 
 
-def test_records_say_what_is_active(runs, records):
+def test_each_patched_clone_has_one_record_saying_what_is_active(runs, glue, device):
+    loaded = dtype_name(runs["model"].model_dtype())
+    cpu_tf32 = f"tf32 has no effect on {torch.device(device).type}"
+
     fp8 = _result(runs, "fp8_e4m3fn")
     compute = fp8["inputs"]["compute_dtype"]
-    by_request = {r["requested"]: r for r in records.optimization_records(fp8["model"].model_options)}
-    assert by_request["weight=fp8_e4m3fn"]["active"] == f"weight=fp8_e4m3fn (compute {compute})"
-    assert by_request["weight=fp8_e4m3fn"]["note"].startswith("saves ")
-    assert "tf32" in by_request and f"compute={compute}" in by_request
-    assert records.optimization_records(runs["model"].model_options) == []
+    (record,) = glue.model_records(fp8["model"].model_options)
+    assert record["node"] == NODE
+    assert record["requested"] == f"weight=fp8_e4m3fn, compute={compute}, tf32=on, channels_last=off"
+    assert record["active"] == f"weight=fp8_e4m3fn, compute={compute}, tf32"
+    assert "in a private copy; the input model is unchanged" in record["note"]
+    assert (cpu_tf32 in record["note"]) == (torch.device(device).type != "cuda")
+
+    half = _half(runs)
+    (record,) = glue.model_records(half["model"].model_options)
+    assert record["requested"] == f"weight=default, compute={half['inputs']['compute_dtype']}, tf32=on, channels_last=on"
+    assert record["active"] == f"weight={loaded}, compute={half['inputs']['compute_dtype']}, tf32, channels_last"
+    assert "channels-last activations only" in record["note"]
+
+    (record,) = glue.model_records(_result(runs, "bf16 weights")["model"].model_options)
+    assert record["requested"] == "weight=bf16, compute=default, tf32=off, channels_last=on"
+    assert record["active"] == "weight=bf16, compute=bf16, channels_last"
+    assert "tf32" not in record["note"] and "activations only" not in record["note"]
+
+
+FIRST_SECOND = {
+    # weights converted (channels-last weights, no APPLY_MODEL wrapper), then back to fp32 with nothing else
+    "bf16+tf32+channels_last, then fp32": (
+        dict(weight_dtype="bf16", compute_dtype="default", tf32=True, channels_last=True),
+        dict(weight_dtype="fp32", compute_dtype="default", tf32=False, channels_last=False),
+        {"outer_sample": 1},
+        {},
+    ),
+    "bf16+tf32+channels_last, then default+tf32": (
+        dict(weight_dtype="bf16", compute_dtype="default", tf32=True, channels_last=True),
+        dict(weight_dtype="default", compute_dtype="default", tf32=True, channels_last=False),
+        {"outer_sample": 1},
+        {"outer_sample": 1},
+    ),
+    # shared weights: channels-last is an APPLY_MODEL wrapper, which the second node must drop
+    "default+tf32+channels_last, then default+tf32": (
+        dict(weight_dtype="default", compute_dtype="default", tf32=True, channels_last=True),
+        dict(weight_dtype="default", compute_dtype="default", tf32=True, channels_last=False),
+        {"outer_sample": 1, "apply_model": 1},
+        {"outer_sample": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("chain", list(FIRST_SECOND))
+def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint, runs, glue, chain):
+    first_inputs, second_inputs, first_wrappers, second_wrappers = FIRST_SECOND[chain]
+    model, node = checkpoint[0], comfy_host.nodes[NODE]()
+    (first,) = node.patch(model, **first_inputs)
+    (second,) = node.patch(first, **second_inputs)
+
+    assert comfy_host.wrapper_counts(first, NODE) == first_wrappers
+    assert comfy_host.wrapper_counts(second, NODE) == second_wrappers, "one set of sdopt wrappers: the second node's"
+    (first_record,) = precision_records(glue, first)
+    (record,) = precision_records(glue, second)
+    tf32, channels_last = ("on" if second_inputs[k] else "off" for k in ("tf32", "channels_last"))
+    assert record["requested"] == f"weight={second_inputs['weight_dtype']}, compute=default, tf32={tf32}, channels_last={channels_last}"
+    assert first_record["requested"].startswith(f"weight={first_inputs['weight_dtype']},"), "the first clone keeps its own record"
+
+    out, seen = sample_with_spy(comfy_host, second)
+    assert torch.isfinite(out).all()
+    assert seen["tf32"] == ((True, True) if second_inputs["tf32"] else runs["flags_before"])
+    assert not seen["x_channels_last"], "the second node asked for no channels-last activations"
+    if second_inputs["weight_dtype"] == "fp32":
+        assert record["active"] == "weight=fp32, compute=fp32"
+        assert stored_dtypes(second.model.diffusion_model) == {torch.float32}
+        assert stored_dtypes(first.model.diffusion_model) == {torch.bfloat16}, "the first node's copy is left as it is"
+        assert seen["x_dtype"] == torch.float32
+        assert rel_err(out, runs["reference"]) < REL_TOL["bf16"], "fp32 copies of the bf16 weights"
+    else:
+        first_dtype = dtype_name(first.model_dtype())
+        assert record["active"] == f"weight={first_dtype}, compute={first_dtype}, tf32"
+        assert second.model is first.model, "default keeps the first node's weights, shared"
+    assert torch.equal(comfy_host.sample(model), runs["reference"]), "the original model is unchanged"
+
+
+def test_weight_dtype_is_auto_by_default_and_offers_every_dtype(comfy_host):
+    options, spec = comfy_host.nodes[NODE].INPUT_TYPES()["required"]["weight_dtype"]
+    assert options == ["auto", "default", "fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"]
+    assert spec["default"] == "auto"
+
+
+def test_auto_records_what_it_picked_and_why(comfy_host, checkpoint, device, runs, glue):
+    precision = comfy_host.pack("optim.precision")
+    model = checkpoint[0]
+    (patched,) = comfy_host.nodes[NODE]().patch(model, "auto", "default", False, False)
+    pick = precision.pick_dtype(device)  # cached: the pick the node made
+    picked = dtype_name(pick.dtype)
+
+    (record,) = glue.model_records(patched.model_options)
+    assert record["requested"] == "weight=auto, compute=default, tf32=off, channels_last=off"
+    assert record["active"] == f"weight={picked}, compute={picked}"
+    assert record["note"].startswith(f"auto: {pick.reason}")
+    if torch.device(device).type == "cuda":
+        assert pick.dtype == torch.float16
+    else:
+        assert pick.dtype in (torch.float32, torch.bfloat16)
+        if compute_supported(torch.bfloat16, device):
+            ratio = precision._bf16_over_fp32(str(torch.device(device)))
+            assert f"took {ratio:.2f}x the fp32 time in bf16" in pick.reason
+            assert (pick.dtype == torch.bfloat16) == (ratio < precision.BF16_FASTER_BELOW)
+        else:
+            assert pick.dtype == torch.float32 and "bf16 does not run" in pick.reason
+
+    assert stored_dtypes(patched.model.diffusion_model) == {pick.dtype}
+    assert (patched.model is model.model) == (pick.dtype == model.model_dtype()), "a private copy only for a new dtype"
+    out = comfy_host.sample(patched)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, runs["reference"]) < REL_TOL[picked]
+    assert torch.equal(comfy_host.sample(model), runs["reference"])
 
 
 def test_weight_copy_carries_weight_patches_once(comfy_host, checkpoint):
@@ -185,7 +302,7 @@ def test_weight_copy_carries_weight_patches_once(comfy_host, checkpoint):
     base_out = comfy_host.sample(model)
     lora_out = comfy_host.sample(lora)
     assert rel_err(lora_out, base_out) > 0.1, "the patch matters"
-    patched = comfy_host.nodes["SDOptPrecision"]().patch(lora, "bf16", "default", False, False)[0]
+    patched = comfy_host.nodes[NODE]().patch(lora, "bf16", "default", False, False)[0]
     assert patched.model is not model.model and set(keys) <= set(patched.patches)
     assert rel_err(comfy_host.sample(patched), lora_out) < REL_TOL["bf16"]
     assert torch.equal(comfy_host.sample(lora), lora_out)
@@ -193,98 +310,6 @@ def test_weight_copy_carries_weight_patches_once(comfy_host, checkpoint):
 
 
 def test_bad_weight_dtype_is_a_user_error_naming_the_input(comfy_host, checkpoint):
-    with pytest.raises(Exception, match=r"^weight_dtype: 'fp64' is not offered") as error:
-        comfy_host.nodes["SDOptPrecision"]().patch(checkpoint[0], "fp64", "default", False, False)
-    assert type(error.value).__name__ == "UserError"
-
-
-# -- VAE --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def latent():
-    return torch.randn(1, 4, VAE_LATENT, VAE_LATENT, generator=torch.Generator().manual_seed(0))
-
-
-def decode(vae, latent):
-    with torch.inference_mode():
-        return vae.decode(latent)
-
-
-@pytest.fixture
-def prompt_context():
-    from comfy_execution.utils import CurrentNodeContext
-
-    prompt_id = f"test-precision-{uuid.uuid4().hex}"
-    with CurrentNodeContext(prompt_id, "1"):
-        yield prompt_id
-
-
-def test_vae_precision_decodes_finite_and_leaves_the_input_vae(comfy_host, checkpoint, latent, device, prompt_context, records):
-    if not compute_supported(torch.bfloat16, device):
-        pytest.skip(f"{device} does not compute in bf16")
-    vae = checkpoint[2]
-    dtype_before, stored_before = vae.vae_dtype, stored_dtypes(vae.first_stage_model)
-    reference = decode(vae, latent)
-    patched = comfy_host.nodes["SDOptVAEPrecision"]().apply(vae, "bf16", True)[0]
-    out = decode(patched, latent)
-    assert patched.vae_dtype == torch.bfloat16 and stored_dtypes(patched.first_stage_model) == {torch.bfloat16}
-    assert torch.isfinite(out).all()
-    assert 0 < rel_err(out, reference) < VAE_REL_TOL
-    assert vae.vae_dtype == dtype_before and stored_dtypes(vae.first_stage_model) == stored_before
-    assert torch.equal(decode(vae, latent), reference)
-    (note,) = records.prompt_notes(prompt_context)
-    assert note["requested"] == "dtype=bf16, nan_guard=on"
-    assert note["active"] == "bf16 (NaN guard redoes NaN/Inf in fp32)"
-
-
-def test_vae_precision_after_vae_attention_decodes_with_its_own_weights(comfy_host, checkpoint, latent, device, prompt_context):
-    """Chained VAE nodes: the bf16 copy of an attention-patched VAE must decode with the bf16
-    weights, not through the attention wrapper's original (fp32) VAE."""
-    if not compute_supported(torch.bfloat16, device):
-        pytest.skip(f"{device} does not compute in bf16")
-    vae = checkpoint[2]
-    reference = decode(vae, latent)
-    (with_attention,) = comfy_host.nodes["SDOptVAEAttention"]().patch(vae, "sub_quadratic", "fallback", 0, 32)
-    (chained,) = comfy_host.nodes["SDOptVAEPrecision"]().apply(with_attention, "bf16", False)
-    out = decode(chained, latent)
-    # bf16 weights: about 8.5e-3 from fp32; fp32 weights with another attention backend: about 1e-6.
-    assert BF16_MIN_REL_ERR < rel_err(out, reference) < VAE_REL_TOL, "the fp32 weights ran, not the bf16 copy"
-    assert torch.equal(decode(vae, latent), reference)
-
-
-@pytest.fixture(scope="module")
-def overflowing_vae(checkpoint, latent):
-    """A copy of the mini VAE whose decoder.conv_in outputs pass fp16's range (GroupNorm then rescales them)."""
-    import comfy.sd
-
-    vae = checkpoint[2]
-    with torch.inference_mode():
-        model = vae.first_stage_model
-        peak = model.decoder.conv_in(model.post_quant_conv(latent.to(vae.vae_dtype))).abs().max().item()
-        scale = OVERFLOW_TARGET / peak
-        sd = {k: v * scale if k.startswith("decoder.conv_in.") else v for k, v in vae.get_sd().items()}
-    return comfy.sd.VAE(sd=sd, dtype=torch.float32)
-
-
-def test_vae_nan_guard_redoes_an_overflowing_fp16_decode(comfy_host, overflowing_vae, latent, device, prompt_context, records):
-    if not compute_supported(torch.float16, device):
-        pytest.skip(f"{device} does not compute in fp16")
-    node = comfy_host.nodes["SDOptVAEPrecision"]()
-    reference = decode(overflowing_vae, latent)
-    assert torch.isfinite(reference).all()
-
-    unguarded = decode(node.apply(overflowing_vae, "fp16", False)[0], latent)
-    assert not torch.isfinite(unguarded).all(), "without the guard the fp16 decode has NaN"
-
-    guarded = node.apply(overflowing_vae, "fp16", True)[0]
-    out = decode(guarded, latent)
-    assert torch.isfinite(out).all()
-    assert rel_err(out, reference) < VAE_REL_TOL
-    safer = "bf16" if compute_supported(torch.bfloat16, device) else "fp32"
-    assert [dtype_name(d) for d in guarded.sdopt_safe_vaes] == [safer]
-    notes = {n["requested"]: n for n in records.prompt_notes(prompt_context)}
-    assert notes["dtype=fp16, nan_guard=on"]["active"] == f"fp16 (NaN guard redid 1 decode in {safer})"
-    assert notes["dtype=fp16, nan_guard=off"]["active"] == "fp16"
-    assert overflowing_vae.vae_dtype == torch.float32
-    assert stored_dtypes(overflowing_vae.first_stage_model) == {torch.float32}
+    UserError = comfy_host.pack("errors").UserError
+    with pytest.raises(UserError, match=r"^weight_dtype: 'fp64' is not offered"):
+        comfy_host.nodes[NODE]().patch(checkpoint[0], "fp64", "default", False, False)

@@ -1,27 +1,43 @@
 """SDOptProfiler on a real ComfyUI model: profiling changes nothing numerically, leaves the
-given model alone, and files one run per sampling with a mark per step."""
+given model alone, files one run per sampling with a mark per step, and replaces its own
+wrappers when chained."""
 import pytest
 import torch
 
+NODE = "SDOptProfiler"
 
-def test_profiled_clone_samples_bit_identically_and_files_a_run(comfy_host):
-    from comfy_execution.utils import CurrentNodeContext
 
+def test_profiled_clone_samples_bit_identically_and_files_a_run(comfy_host, prompt_context):
     model = comfy_host.load_checkpoint()[0]
-    records = comfy_host.pack("nodes.records")
+    glue = comfy_host.glue
     wrappers_before = {kind: dict(keys) for kind, keys in model.wrappers.items()}
     stock = comfy_host.sample(model)
-    (profiled,) = comfy_host.nodes["SDOptProfiler"]().apply(model, "  unit  ")
-    with CurrentNodeContext("test-profiler", "1"):
-        out = comfy_host.sample(profiled)
+    (profiled,) = comfy_host.nodes[NODE]().apply(model, "  unit  ")
+    assert comfy_host.wrapper_counts(profiled, NODE) == {"outer_sample": 1, "sampler_sample": 1}
+    out = comfy_host.sample(profiled)
     assert torch.equal(out, stock), "profiling must not change the result"
     assert {kind: dict(keys) for kind, keys in model.wrappers.items()} == wrappers_before
     assert torch.equal(comfy_host.sample(model), stock)
-    (run,) = records.prompt_runs("test-profiler")
+    (run,) = glue.prompt_log(prompt_context).runs
     assert run["label"] == "unit" and len(run["steps"]) == 2
     assert run["sampler_total_s"] >= sum(step["seconds"] for step in run["steps"])
+    assert run["optimizations"] == []
+
+
+def test_run_carries_the_model_records(comfy_host, prompt_context):
+    model = comfy_host.load_checkpoint()[0]
+    (patched,) = comfy_host.nodes["SDOptPrecision"]().patch(model, "default", "fp32", False, False)
+    (first,) = comfy_host.nodes[NODE]().apply(patched, "first")
+    (profiled,) = comfy_host.nodes[NODE]().apply(first, "second")
+    assert comfy_host.wrapper_counts(profiled, NODE) == {"outer_sample": 1, "sampler_sample": 1}, "chained: replaced, not stacked"
+    comfy_host.sample(profiled)
+    (run,) = comfy_host.glue.prompt_log(prompt_context).runs
+    assert run["label"] == "second" and len(run["steps"]) == 2
+    (record,) = run["optimizations"]
+    assert record["node"] == "SDOptPrecision" and record["requested"].startswith("weight=default, compute=fp32")
 
 
 def test_empty_label_is_refused(comfy_host):
-    with pytest.raises(ValueError, match="'label' is empty"):
-        comfy_host.nodes["SDOptProfiler"]().apply(comfy_host.load_checkpoint()[0], "   ")
+    UserError = comfy_host.pack("errors").UserError
+    with pytest.raises(UserError, match=r"^label: it is empty"):
+        comfy_host.nodes[NODE]().apply(comfy_host.load_checkpoint()[0], "   ")

@@ -304,16 +304,17 @@ def _fake_probe(monkeypatch, fp32_s, bf16_s):
 
 
 def test_probe_stops_early_when_bf16_is_far_slower(monkeypatch, probe_cache):
-    calls = _fake_probe(monkeypatch, 1.0, [6.0])
-    assert P._bf16_over_fp32("cpu") == 6.0
-    assert calls == [("cpu", torch.float32)] * 4 + [("cpu", torch.bfloat16)], "a warm-up and 3 fp32, one bf16"
-    assert P._bf16_over_fp32("cpu") == 6.0 and len(calls) == 5, "measured once per device"
+    calls = _fake_probe(monkeypatch, 1.0, [25.0])
+    assert P._bf16_over_fp32("cpu") == 25.0
+    assert calls == [("cpu", torch.float32)] * 2 + [("cpu", torch.bfloat16)], "a warm-up and one fp32, one bf16"
+    assert P._bf16_over_fp32("cpu") == 25.0 and len(calls) == 3, "measured once per device"
 
 
-def test_probe_takes_the_median_of_three_bf16_runs(monkeypatch, probe_cache):
-    calls = _fake_probe(monkeypatch, 2.0, [4.0, 1.0, 0.5, 9.0])
-    assert P._bf16_over_fp32("cpu") == 0.5  # median(1.0, 0.5, 9.0) / 2.0; the 4.0 warm-up is not counted
-    assert [dtype for _, dtype in calls] == [torch.float32] * 4 + [torch.bfloat16] * 4
+def test_probe_takes_the_fastest_of_five_interleaved_rounds(monkeypatch, probe_cache):
+    calls = _fake_probe(monkeypatch, 2.0, [4.0, 3.0, 1.0, 0.5, 9.0, 1.5])
+    assert P._bf16_over_fp32("cpu") == 0.25  # min(3.0, 1.0, 0.5, 9.0, 1.5) / 2.0; the 4.0 warm-up is not counted
+    dtypes = [dtype for _, dtype in calls]
+    assert dtypes == [torch.float32] * 2 + [torch.bfloat16] + [torch.float32, torch.bfloat16] * 5, "rounds interleave"
 
 
 def test_probe_really_runs_on_cpu():

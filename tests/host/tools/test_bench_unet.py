@@ -1,0 +1,49 @@
+"""bench unet inside ComfyUI: each row is SDOptPrecision's model for one weight dtype, fp32 first as the reference."""
+import json
+
+import pytest
+import torch
+
+from sdopt.optim.precision import dtype_name, pick_dtype
+from sdopt.tools.bench_unet import bench_unet
+from sdopt.tools.cli import main
+
+# Relative L2 error of one UNet call in bf16 against fp32 on the mini checkpoint.
+BF16_REL_ERROR = 5e-2
+
+
+@pytest.fixture(scope="module")
+def rows(comfy_host):
+    return bench_unet(comfy_host.host.path, str(comfy_host.checkpoint), ["auto", "bf16"], resolution=64, batch=2,
+                      repeats=1, progress=False)
+
+
+def test_fp32_runs_first_as_the_reference(rows):
+    assert [r.weight_dtype for r in rows] == ["fp32", "auto", "bf16"]
+    fp32 = rows[0]
+    assert fp32.rel_error_vs_fp32 == 0.0 and fp32.latency_vs_fp32 == 1.0
+    assert fp32.active.startswith("weight=fp32")
+    assert all(r.median_s > 0 and r.first_s > 0 and r.peak_memory_bytes > 0 for r in rows)
+
+
+def test_rows_measure_the_model_the_node_returns(rows):
+    bf16 = rows[2]
+    assert bf16.active.startswith("weight=bf16, compute=bf16")
+    assert 0 < bf16.rel_error_vs_fp32 < BF16_REL_ERROR, "bf16 must differ from fp32, a little"
+    auto = rows[1]
+    assert auto.active.startswith(f"weight={dtype_name(pick_dtype(torch.device(auto.device)).dtype)}")
+
+
+def test_cli_writes_json(comfy_host, tmp_path, capsys):
+    out = tmp_path / "unet.json"
+    argv = ["bench", "unet", "--comfyui", str(comfy_host.host.path), "--model", str(comfy_host.checkpoint),
+            "--resolution", "64", "--dtypes", "fp32", "--repeats", "1", "--json", str(out)]
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["weight_dtype"] == "fp32" and row["memory_kind"] in ("ram_rss", "vram_allocated")
+    assert "| sdopt-mini-sd15 | fp32 | weight=fp32, compute=fp32 | 64 | 2 |" in capsys.readouterr().out
+
+
+def test_bad_resolution_is_a_user_error(comfy_host, capsys):
+    assert main(["bench", "unet", "--comfyui", str(comfy_host.host.path), "--resolution", "72"]) == 2
+    assert "--resolution must be a multiple of 64" in capsys.readouterr().err
