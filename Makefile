@@ -25,7 +25,7 @@ $(MINI): | comfyui
 	$(PY) -m sdopt make-model mini --out $@
 
 test: comfyui $(MINI)
-	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest tests
+	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest
 
 demo: comfyui $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json

@@ -3,6 +3,9 @@
 guard on a VAE that overflows in fp16."""
 import copy
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from diffusers import AutoencoderKL
@@ -357,6 +360,18 @@ def _flags():
     )
 
 
+@pytest.fixture(autouse=True)
+def _process_tf32_settings():
+    """Put every TF32 setting back exactly (per backend too) after each test, so that tests which set
+    them through the legacy API leave no mix of old and new settings, which torch refuses to read."""
+    knobs = [torch.backends] + [getattr(torch.backends, name) for name in ("cuda", "cudnn", "mkldnn")]
+    knobs += [getattr(k, sub) for k in knobs[1:] for sub in ("matmul", "conv", "rnn") if hasattr(k, sub)]
+    saved = [(k, k.fp32_precision) for k in knobs if hasattr(k, "fp32_precision")]
+    yield
+    for knob, value in saved:
+        knob.fp32_precision = value
+
+
 def test_tf32_scope_sets_and_restores_even_on_exception():
     before = _flags()
     with pytest.raises(ZeroDivisionError):
@@ -382,23 +397,23 @@ def test_tf32_scope_restores_a_non_default_precision():
     assert _flags() == before
 
 
-def _per_backend_settings():
-    knobs = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul)
-    return [getattr(knob, "fp32_precision", None) for knob in knobs]
-
-
 def test_tf32_scope_restores_per_backend_settings():
     if not hasattr(torch.backends.mkldnn.matmul, "fp32_precision"):
         pytest.skip("this torch has no per-backend fp32_precision settings")
-    saved = torch.backends.mkldnn.matmul.fp32_precision
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
-    try:
-        before = _per_backend_settings()
-        with tf32_scope():
-            assert _per_backend_settings()[:2] == ["tf32", "tf32"]
-        assert _per_backend_settings() == before
-    finally:
-        torch.backends.mkldnn.matmul.fp32_precision = saved
+    # In a child process: once both the legacy and the per-backend API have set TF32, torch refuses
+    # to read the legacy flags for the rest of the process, which would break later tests.
+    code = """
+import torch
+from sdopt.optim.precision import tf32_scope
+knobs = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.mkldnn.matmul)
+torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+before = [k.fp32_precision for k in knobs]
+with tf32_scope():
+    assert [k.fp32_precision for k in knobs][:2] == ["tf32", "tf32"]
+assert [k.fp32_precision for k in knobs] == before, ([k.fp32_precision for k in knobs], before)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 # -- bad inputs ------------------------------------------------------------------------
