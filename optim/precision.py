@@ -126,12 +126,14 @@ class AutoPick:
 BF16_FASTER_BELOW = 0.9
 
 
-def _probe_once(device: torch.device, dtype: torch.dtype) -> float:
-    """Seconds of one UNet-shaped conv and matmul in ``dtype`` (CUDA synchronized)."""
+def _probe_once(device: torch.device, dtype: torch.dtype, side: int = 32) -> float:
+    """Seconds of one UNet-shaped conv (128 channels, ``side``²) and matmul (``side``² tokens, 320→1280)
+    in ``dtype``, CUDA synchronized."""
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 128, 32, 32, generator=generator).to(device, dtype)
+    x = torch.randn(2, 128, side, side, generator=generator).to(device, dtype)
     w = torch.randn(128, 128, 3, 3, generator=generator).to(device, dtype) / 32
-    tokens, features = torch.randn(1024, 320, generator=generator).to(device, dtype), torch.randn(320, 1280, generator=generator).to(device, dtype)
+    tokens = torch.randn(side * side, 320, generator=generator).to(device, dtype)
+    features = torch.randn(320, 1280, generator=generator).to(device, dtype)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     started = time.perf_counter()
@@ -144,16 +146,21 @@ def _probe_once(device: torch.device, dtype: torch.dtype) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _bf16_over_fp32(device: str) -> float:
-    """bf16's time over fp32's on the probe, the fastest of 5 interleaved rounds after a warm-up of
-    each (interference only ever adds time). A bf16 warm-up already 20 times fp32's ends the probe
-    early: CPUs without bf16 kernels take seconds per call."""
+    """bf16's time over fp32's on the probe.
+
+    A small probe first: CPUs without bf16 kernels run it 30 to 130 times slower than fp32 (seconds
+    at full size), and 20 times is answer enough. Otherwise the fastest of 5 interleaved full-size
+    rounds after a warm-up of each, since interference only ever adds time.
+    """
     dev = torch.device(device)
+    _probe_once(dev, torch.float32, side=8)
+    small_fp32 = _probe_once(dev, torch.float32, side=8)
+    small_bf16 = _probe_once(dev, torch.bfloat16, side=8)
+    if small_bf16 > 20 * small_fp32:
+        return small_bf16 / small_fp32
     _probe_once(dev, torch.float32)
-    fp32 = [_probe_once(dev, torch.float32)]
-    first = _probe_once(dev, torch.bfloat16)
-    if first > 20 * fp32[0]:
-        return first / fp32[0]
-    bf16 = []
+    _probe_once(dev, torch.bfloat16)
+    fp32, bf16 = [], []
     for _ in range(5):
         fp32.append(_probe_once(dev, torch.float32))
         bf16.append(_probe_once(dev, torch.bfloat16))

@@ -294,30 +294,30 @@ def test_auto_on_cuda_is_fp16_where_it_runs(monkeypatch, probe_cache, fp16_runs)
 
 
 def _fake_probe(monkeypatch, fp32_s, bf16_s):
-    """``_probe_once`` answering fixed seconds per dtype (bf16 ones in order), counting calls."""
+    """``_probe_once`` answering fixed seconds for fp32 and the given bf16 ones in order, counting calls."""
     calls = []
     bf16_times = iter(bf16_s)
 
-    def probe(device, dtype):
-        calls.append((device.type, dtype))
+    def probe(device, dtype, side=32):
+        calls.append((device.type, dtype, side))
         return fp32_s if dtype == torch.float32 else next(bf16_times)
 
     monkeypatch.setattr(P, "_probe_once", probe)
     return calls
 
 
-def test_probe_stops_early_when_bf16_is_far_slower(monkeypatch, probe_cache):
+def test_probe_stops_after_the_small_probe_when_bf16_is_far_slower(monkeypatch, probe_cache):
     calls = _fake_probe(monkeypatch, 1.0, [25.0])
     assert P._bf16_over_fp32("cpu") == 25.0
-    assert calls == [("cpu", torch.float32)] * 2 + [("cpu", torch.bfloat16)], "a warm-up and one fp32, one bf16"
+    assert calls == [("cpu", torch.float32, 8)] * 2 + [("cpu", torch.bfloat16, 8)], "a warm-up and one fp32, one bf16"
     assert P._bf16_over_fp32("cpu") == 25.0 and len(calls) == 3, "measured once per device"
 
 
-def test_probe_takes_the_fastest_of_five_interleaved_rounds(monkeypatch, probe_cache):
-    calls = _fake_probe(monkeypatch, 2.0, [4.0, 3.0, 1.0, 0.5, 9.0, 1.5])
-    assert P._bf16_over_fp32("cpu") == 0.25  # min(3.0, 1.0, 0.5, 9.0, 1.5) / 2.0; the 4.0 warm-up is not counted
-    dtypes = [dtype for _, dtype in calls]
-    assert dtypes == [torch.float32] * 2 + [torch.bfloat16] + [torch.float32, torch.bfloat16] * 5, "rounds interleave"
+def test_probe_takes_the_fastest_of_five_interleaved_full_size_rounds(monkeypatch, probe_cache):
+    calls = _fake_probe(monkeypatch, 2.0, [3.0, 4.0, 3.0, 1.0, 0.5, 9.0, 1.5])
+    assert P._bf16_over_fp32("cpu") == 0.25  # min(3.0, 1.0, 0.5, 9.0, 1.5) / 2.0; the small probe and the 4.0 warm-up do not count
+    full = [(dtype, side) for _, dtype, side in calls if side == 32]
+    assert full == [(torch.float32, 32), (torch.bfloat16, 32)] + [(torch.float32, 32), (torch.bfloat16, 32)] * 5
 
 
 def test_probe_really_runs_on_cpu():
