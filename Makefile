@@ -6,7 +6,7 @@ SDOPT_HOME ?= .comfyui
 export SDOPT_HOME
 PY := $(SDOPT_HOME)/venv/bin/python
 COMFY = $(shell cat $(SDOPT_HOME)/comfyui-path)
-MODELS := $(SDOPT_HOME)/models
+MODELS := $(abspath $(SDOPT_HOME)/models)
 MINI := $(MODELS)/checkpoints/sdopt-mini-sd15.safetensors
 PORT ?= 8188
 # Small enough for a CPU; `make demo DEMO_SET=` runs the workflow as saved (512x512, 20 steps).

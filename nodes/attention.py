@@ -8,12 +8,11 @@ on a clone. Calls that ask for what sdopt's backends do not take (a custom ``sca
 import torch
 
 from ..errors import UserError
-from ..optim.attention import AUTO, ON_UNAVAILABLE, AttentionConfig, attention_choices, backend_names, build_attention, get_backend, packed_heads, resolve_backend_for_device, summarize_decisions
+from ..optim.attention import AUTO, AUTO_NOTE, ON_UNAVAILABLE, AttentionConfig, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, summarize_decisions
 from . import glue
 
 NODE = "SDOptAttention"
 OVERRIDE_KEY = "optimized_attention_override"
-AUTO_NOTE = "times every available backend on the first call of each input shape and keeps the fastest that matches naive"
 DELEGATED = "calls with a custom scale or grouped-query attention ran ComfyUI's own function"
 
 
@@ -31,12 +30,9 @@ def attention_inputs(first: str, kind: str) -> dict:
 
 
 def configure(backend, on_unavailable, slice_size, memory_budget_mb, device) -> tuple[AttentionConfig, str, str]:
-    """The config and the (active, note) known before any tensor exists; ``error`` raises for a backend that cannot run."""
+    """The config and the (active, note) known before any tensor exists."""
     config = AttentionConfig(backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_bytes=memory_budget_mb << 20)
-    if backend == AUTO:
-        return config, f"{AUTO} (pending)", AUTO_NOTE
-    resolved = resolve_backend_for_device(backend, device, on_unavailable)
-    return config, resolved.name, resolved.note
+    return config, *expected_backend(config, device)
 
 
 def comfy_attention_override(attention, report):

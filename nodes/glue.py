@@ -352,6 +352,17 @@ def node_timings(prompt_id: str) -> list[dict]:
     return list(handler.nodes) if handler is not None else []
 
 
+def send_to_client(event: str, data: dict) -> None:
+    """Send a websocket event to the client that queued the prompt (the browser, or the headless runner)."""
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is not None:
+        server.send_sync(event, data, getattr(server, "client_id", None))
+
+
 def comfyui_version() -> str | None:
     try:
         from comfyui_version import __version__

@@ -39,16 +39,6 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
     return report
 
 
-def send(event: str, data: dict) -> None:
-    try:
-        from server import PromptServer
-    except ImportError:
-        return
-    server = getattr(PromptServer, "instance", None)
-    if server is not None:
-        server.send_sync(event, data, getattr(server, "client_id", None))
-
-
 class SDOptProfileReport:
     DESCRIPTION = (
         "Shows the profile of this prompt's sampling runs as a table and a chart, and saves the JSON report in the "
@@ -87,7 +77,7 @@ class SDOptProfileReport:
         report.save_json(os.path.join(folder, base + ".json"))
         entry = {"subfolder": subfolder, "type": "output"}
         images = [{**entry, "filename": base + ".png"}] if chart else []
-        send(EVENT, {"node": str(unique_id), "report": report.to_dict(), "table": report.markdown(),
+        glue.send_to_client(EVENT, {"node": str(unique_id), "report": report.to_dict(), "table": report.markdown(),
                      "json": {**entry, "filename": base + ".json"}, "chart": images[0] if images else None,
                      "path": os.path.join(folder, base + ".json")})
         return {"ui": {"images": images}}

@@ -246,6 +246,18 @@ def resolve_backend_for_device(name: str, device: torch.device | str, on_unavail
     return _resolve(name, lambda candidate: get_backend(candidate).check(device), on_unavailable)
 
 
+AUTO_NOTE = "times every available backend on the first call of each input shape and keeps the fastest that matches naive"
+
+
+def expected_backend(config: AttentionConfig, device: torch.device | str) -> tuple[str, str]:
+    """(active, note) for ``config`` before any tensor exists; ``on_unavailable="error"`` raises for a
+    backend whose package or device is missing."""
+    if config.backend == AUTO:
+        return f"{AUTO} (pending)", AUTO_NOTE
+    resolved = resolve_backend_for_device(config.backend, device, config.on_unavailable)
+    return resolved.name, resolved.note
+
+
 def _resolve(name: str, check: Callable[[str], Availability], on_unavailable: str) -> Resolved:
     if on_unavailable not in ON_UNAVAILABLE:
         raise UserError(f"on_unavailable must be one of {', '.join(ON_UNAVAILABLE)}, not {on_unavailable!r}")
