@@ -1,6 +1,6 @@
 """workflows/sd15_precision_attention.json headless: the same image as the baseline when the
 settings preserve numerics, a report that lists every requested and active optimization, and
-the workflow as shipped (fp16 UNet and VAE, auto attention) running to the end."""
+the workflow as shipped (auto precision for the UNet and VAE, auto attention) running to the end."""
 import sys
 
 import numpy as np
