@@ -5,8 +5,10 @@ and the report reaches the browser widget (web/sdopt.js) and the headless runner
 ``sdopt.report`` event, so the queue shows only the chart and no empty output cards. When ComfyUI
 served the sampling from its cache, the node shows the last real figures it reported, marked cached.
 """
+import hashlib
 import json
 import os
+from collections import OrderedDict
 
 from ..errors import UserError
 from ..measure.report import Report, device_name
@@ -14,7 +16,10 @@ from . import glue
 
 NODE = "SDOptProfileReport"
 EVENT = "sdopt.report"
-_last_sampled: dict[tuple[str, str], Report] = {}
+_KEPT_REPORTS = 16
+_NO_SAMPLING = "No sampling ran in this prompt: ComfyUI reused cached results."
+_PROFILE_AGAIN = "change the seed or another sampler input to profile again."
+_last_sampled: OrderedDict[tuple[str, str], Report] = OrderedDict()
 
 
 def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
@@ -25,17 +30,19 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
                     runs=list(log.runs), nodes=glue.node_timings(prompt_id), optimizations=list(log.records))
     profiled = any(node.get("class_type") == "SDOptProfiler" for node in (prompt or {}).values())
     # The same report node in the same graph: another workflow's figures must never stand in for these.
-    key = (node_id, json.dumps({k: v for k, v in (prompt or {}).items() if k != node_id}, sort_keys=True, default=str))
+    graph = json.dumps({k: v for k, v in (prompt or {}).items() if k != node_id}, sort_keys=True, default=str)
+    key = (node_id, hashlib.sha256(graph.encode()).hexdigest())
     if report.runs or not profiled:
         _last_sampled[key] = report
+        _last_sampled.move_to_end(key)
+        while len(_last_sampled) > _KEPT_REPORTS:
+            _last_sampled.popitem(last=False)
     elif key in _last_sampled:
         report = Report.from_dict(_last_sampled[key].to_dict())
         report.cached = True
-        report.notes = ["No sampling ran in this prompt: ComfyUI reused cached results. These are the last real "
-                        "figures of this node; change the seed or another sampler input to profile again."]
+        report.notes = [f"{_NO_SAMPLING} These are the last real figures of this node; {_PROFILE_AGAIN}"]
     else:
-        report.notes.append("No sampling ran in this prompt: ComfyUI reused cached results. "
-                            "Change the seed or another sampler input to profile again.")
+        report.notes.append(f"{_NO_SAMPLING} {_PROFILE_AGAIN[0].upper()}{_PROFILE_AGAIN[1:]}")
     return report
 
 

@@ -56,7 +56,7 @@ def checkpoint_path(model: str, models: Path) -> Path:
     return path
 
 
-def _inputs(patcher, resolution: int, batch: int):
+def _inputs(resolution: int, batch: int):
     generator = torch.Generator().manual_seed(SEED)
     latent = resolution // 8
     x = torch.randn(batch, 4, latent, latent, generator=generator)
@@ -109,7 +109,7 @@ def bench_unet(
     base = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False)[0]
     node = host.node_classes[NODE]()
     glue = host.pack("nodes.glue")
-    inputs = _inputs(base, resolution, batch)
+    inputs = _inputs(resolution, batch)
     rows, reference = [], None
     order = [REFERENCE] + [d for d in weight_dtypes if d != REFERENCE]
     for name in tqdm(order, desc=f"unet {path.stem} {resolution}px", unit="dtype", disable=not progress):
