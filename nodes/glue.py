@@ -22,6 +22,7 @@ import time
 import types
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -369,3 +370,145 @@ def comfyui_version() -> str | None:
     except ImportError:
         return None
     return __version__
+
+
+# --- the fast path: compiled UNet inside, CUDA graph outside -----------------------------------------
+
+FAST_PATH_KEY = "sdopt.fast_path"
+_KEPT_OPTIONS = ("optimized_attention_override",)
+
+
+def _unet_forward(options: dict, unet, x, timesteps, context, y):
+    return unet._forward(x, timesteps, context, y, None, dict(options))
+
+
+def _why_eager(executor, control, transformer_options: dict, kwargs: dict) -> str | None:
+    if control is not None:
+        return "ControlNet (control) inputs"
+    if transformer_options.get("patches") or transformer_options.get("patches_replace"):
+        return "transformer patches (IP-Adapter, attention patches...)"
+    if any(value is not None for value in kwargs.values()):
+        return f"extra model inputs ({', '.join(sorted(kwargs))})"
+    if getattr(executor, "idx", 0) + 1 < len(getattr(executor, "wrappers", ())):
+        return "another DIFFUSION_MODEL wrapper runs inside this one"
+    return None
+
+
+class FastPath:
+    """The DIFFUSION_MODEL wrapper of SDOptCompile and SDOptCUDAGraph: one per patched clone.
+
+    The UNet is called with tensors only, through ``compile_config`` (when set) inside a
+    ``GraphedFunction`` (when ``graph_config`` is set), so the order of the two nodes does not
+    matter. Its state (compiled code, graphs) is shared by clones made downstream (e.g. by a LoRA
+    loader); the weight identity check makes those use their own weights.
+    """
+
+    def __init__(self, compile_config, graph_config, cache_root=None):
+        self.compile_config = compile_config
+        self.graph_config = graph_config
+        self.cache_root = cache_root
+        self.runners: dict[tuple, tuple] = {}
+        self.eager_reasons: dict[str, int] = {}
+        self.warm_start: bool | None = None
+        self.cache_saved = None
+        self.requested: dict[str, str] = {}
+
+    def with_configs(self, compile_config=..., graph_config=...) -> "FastPath":
+        """A new fast path (fresh compiled code and graphs) with one config replaced."""
+        new = FastPath(
+            self.compile_config if compile_config is ... else compile_config,
+            self.graph_config if graph_config is ... else graph_config,
+            self.cache_root,
+        )
+        new.requested = dict(self.requested)
+        return new
+
+    def _runner(self, unet, options: dict):
+        from ..optim.compile import ArtifactCache, compile_forward
+        from ..optim.cuda_graph import GraphedFunction
+
+        key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS))
+        if key in self.runners and self.runners[key][0] is unet:
+            return self.runners[key][1:]
+        call = lambda module, *inputs: _unet_forward(options, module, *inputs)  # noqa: E731
+        compiled = cache = None
+        fn = lambda *inputs: call(unet, *inputs)  # noqa: E731
+        if self.compile_config is not None:
+            compiled = compile_forward(unet, call, self.compile_config)
+            fn = compiled
+            if self.compile_config.mode != "trace":
+                cache = ArtifactCache.for_module(unet, self.compile_config, self.cache_root)
+                self.warm_start = cache.load()
+        graphed = None
+        if self.graph_config is not None:
+            graphed = GraphedFunction(fn, lambda: [*unet.parameters(), *unet.buffers()], self.graph_config)
+            fn = graphed
+        self.runners[key] = (unet, fn, compiled, graphed, cache)
+        return fn, compiled, graphed, cache
+
+    def __call__(self, executor, x, timesteps=None, context=None, y=None, control=None, transformer_options={}, **kwargs):
+        reason = _why_eager(executor, control, transformer_options, kwargs)
+        if reason:
+            self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+            return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
+        options = {name: transformer_options[name] for name in _KEPT_OPTIONS if name in transformer_options}
+        fn, compiled, _graphed, cache = self._runner(executor.class_obj, options)
+        compilations = compiled.stats.compilations if compiled else 0
+        with _malloc_graph_paused():
+            output = fn(x, timesteps, context, y)
+        if cache is not None and compiled.stats.compilations > compilations:
+            self.cache_saved = cache.save(compiled.stats.compile_seconds)
+        return output
+
+    def stats(self) -> tuple[list, list]:
+        runners = [entry[2:] for entry in self.runners.values()]
+        return [c.stats for c, _, _ in runners if c], [g.stats for _, g, _ in runners if g]
+
+
+@contextmanager
+def _malloc_graph_paused():
+    """ComfyUI 0.38's memory compiler records allocations into malloc graphs; capture must stay out."""
+    import sys
+
+    prefetch = sys.modules.get("comfy.model_prefetch")
+    pause = getattr(prefetch, "pause_malloc_graph", None)
+    with pause() if pause else nullcontext():
+        yield
+
+
+def fast_path_of(model) -> FastPath | None:
+    for fn in model.get_wrappers(wrapper_types().DIFFUSION_MODEL, FAST_PATH_KEY):
+        if isinstance(fn, FastPath):
+            return fn
+    return None
+
+
+def non_dynamic_clone(model):
+    """A clone that ComfyUI 0.38's dynamic VRAM does not stream (graphs and compiled code need
+    fixed weight addresses), as ComfyUI's own TorchCompileModel does; and which path ran."""
+    if getattr(model, "is_dynamic", lambda: False)() and hasattr(model, "get_non_dynamic_delegate"):
+        return model.get_non_dynamic_delegate(), "dynamic VRAM patcher: running on its non-dynamic delegate"
+    return model.clone(), ""
+
+
+def install_fast_path(model, fast_path: FastPath) -> None:
+    """Put ``fast_path`` on ``model`` and file its compile and graph figures after each sampling run."""
+
+    requested = fast_path.requested
+
+    def report_after_sampling(executor, *args, **kwargs):
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            compile_stats, graph_stats = fast_path.stats()
+            eager = "; ".join(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items())
+            if "SDOptCompile" in requested and fast_path.compile_config:
+                warm = {True: "warm start from sdopt's compile cache", False: "cold start (nothing cached yet)", None: ""}[fast_path.warm_start]
+                note = "; ".join(filter(None, [warm, f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", eager]))
+                active = f"{fast_path.compile_config.settings()}: " + " | ".join(s.summary() for s in compile_stats)
+                record_in_run("SDOptCompile", requested["SDOptCompile"], active, note)
+            if "SDOptCUDAGraph" in requested and fast_path.graph_config:
+                active = "CUDA graph: " + " | ".join(s.summary() for s in graph_stats)
+                record_in_run("SDOptCUDAGraph", requested["SDOptCUDAGraph"], active, eager)
+
+    set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "OUTER_SAMPLE": report_after_sampling})

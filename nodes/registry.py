@@ -1,5 +1,7 @@
 """Every node class of the pack with its display name: add new nodes to ``_NODES``."""
 from .attention import SDOptAttention
+from .compile import SDOptCompile
+from .cuda_graph import SDOptCUDAGraph
 from .precision import SDOptPrecision
 from .profiler import SDOptProfiler
 from .report import SDOptProfileReport
@@ -13,6 +15,8 @@ _NODES = {
     "SDOptVAEPrecision": (SDOptVAEPrecision, "sdopt VAE Precision"),
     "SDOptAttention": (SDOptAttention, "sdopt Attention"),
     "SDOptVAEAttention": (SDOptVAEAttention, "sdopt VAE Attention"),
+    "SDOptCompile": (SDOptCompile, "sdopt Compile"),
+    "SDOptCUDAGraph": (SDOptCUDAGraph, "sdopt CUDA Graph"),
 }
 
 NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}

@@ -111,18 +111,23 @@ class CompileStats:
 
 
 _running: list[CompileStats] = []
-_started: list[float] = []
+_started: dict = {}
 
 
-def _on_compile_start(*_args, **_kwargs):
-    _started.append(time.perf_counter())
+def _compile_id(args: tuple):
+    return getattr(args[0], "compile_id", None) if args else None
 
 
-def _on_compile_end(*_args, **_kwargs):
-    started = _started.pop() if _started else time.perf_counter()
-    if _running and not _started:
+def _on_compile_start(*args, **_kwargs):
+    if _running:
         _running[-1].compilations += 1
-        _running[-1].compile_seconds += time.perf_counter() - started
+        _started[_compile_id(args)] = (_running[-1], time.perf_counter())
+
+
+def _on_compile_end(*args, **_kwargs):
+    stats, started = _started.pop(_compile_id(args), (None, 0.0))
+    if stats is not None:
+        stats.compile_seconds += time.perf_counter() - started
 
 
 def _install_callbacks() -> None:
@@ -191,13 +196,17 @@ def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class _Traceable(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, call: Callable):
+    """``call(module, *inputs)`` with the ``None`` inputs fixed, since a trace takes tensors only."""
+
+    def __init__(self, module: torch.nn.Module, call: Callable, inputs: tuple):
         super().__init__()
         self.module = module
         self.call = call
+        self.layout = tuple(t is None for t in inputs)
 
-    def forward(self, *inputs):
-        return self.call(self.module, *inputs)
+    def forward(self, *tensors):
+        given = iter(tensors)
+        return self.call(self.module, *(None if missing else next(given) for missing in self.layout))
 
 
 def _named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -246,7 +255,7 @@ class CompiledForward:
             if self.config.mode == "compile_regional":
                 with self._blocks_compiled():
                     return self.call(self.module, *inputs)
-            return self._traced(inputs)(*inputs)
+            return self._traced(inputs)(*(t for t in inputs if t is not None))
 
     @contextlib.contextmanager
     def _blocks_compiled(self):
@@ -277,7 +286,8 @@ class CompiledForward:
         started = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            traced = torch.jit.trace(_Traceable(self.module, self.call), inputs, check_trace=False)
+            tensors = tuple(t for t in inputs if t is not None)
+            traced = torch.jit.trace(_Traceable(self.module, self.call, inputs), tensors, check_trace=False)
             if self.config.freeze:
                 traced = torch.jit.optimize_for_inference(torch.jit.freeze(traced.eval()))
         self.stats.compilations += 1

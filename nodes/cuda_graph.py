@@ -1,0 +1,50 @@
+"""SDOptCUDAGraph (MODEL → MODEL): replay the UNet from CUDA graphs, one per input signature.
+
+Configures the clone's fast path (``glue.FastPath``): with SDOptCompile anywhere in the chain the
+graph captures the compiled code. Calls a graph cannot serve run eagerly, and the report says why.
+"""
+import torch
+
+from ..errors import UserError
+from ..optim.cuda_graph import GraphConfig, graphs_unavailable_reason
+from . import glue
+
+NODE = "SDOptCUDAGraph"
+ON_UNAVAILABLE = ("fallback", "error")
+
+
+class SDOptCUDAGraph:
+    DESCRIPTION = (
+        "Captures the diffusion model's step into a CUDA graph on first use and replays it: one graph per "
+        "resolution and batch, at most max_graphs kept. Weight changes (LoRA, strength, reload) recapture; "
+        "ControlNet, attention patches and partially loaded models run eagerly, as the report says. "
+        "With sdopt Compile anywhere in the chain it replays the compiled UNet: the fast path."
+    )
+    CATEGORY = "sdopt"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
+            "max_graphs": ("INT", {"default": 4, "min": 1, "max": 64, "tooltip": "Graphs kept (least recently used dropped first); each holds its own activations."}),
+            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a machine without CUDA: pass the model through with a note in the report, or stop with an error."}),
+        }}
+
+    def patch(self, model, max_graphs, on_unavailable):
+        config = GraphConfig(max_graphs=max_graphs)
+        requested = f"max_graphs={max_graphs}, on_unavailable={on_unavailable}"
+        reason = graphs_unavailable_reason(torch.device(model.load_device))
+        if reason and on_unavailable == "error":
+            raise UserError(f"on_unavailable: {reason}; set on_unavailable to fallback to run eager here")
+        m, path_note = glue.non_dynamic_clone(model)
+        if reason:
+            glue.record_model(m, NODE, requested, "eager", f"{reason}; passing the model through")
+            return (m,)
+        fast_path = glue.fast_path_of(m)
+        fast_path = fast_path.with_configs(graph_config=config) if fast_path else glue.FastPath(None, config)
+        fast_path.requested[NODE] = requested
+        glue.install_fast_path(m, fast_path)
+        glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", path_note or "captured on the first step of each input signature")
+        return (m,)
