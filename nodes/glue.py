@@ -511,4 +511,5 @@ def install_fast_path(model, fast_path: FastPath) -> None:
                 active = "CUDA graph: " + " | ".join(s.summary() for s in graph_stats)
                 record_in_run("SDOptCUDAGraph", requested["SDOptCUDAGraph"], active, eager)
 
-    set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "OUTER_SAMPLE": report_after_sampling})
+    # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open here
+    set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "SAMPLER_SAMPLE": report_after_sampling})

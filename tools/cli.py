@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from .bench_speed import RUNGS as SPEED_RUNGS
 from .modelgen import CHECKPOINT_DTYPES, SIZES
 
 
@@ -81,6 +82,35 @@ def _bench_unet(args: argparse.Namespace) -> None:
     _print_rows(unet_table(rows), rows, args.json)
 
 
+def _bench_speed(args: argparse.Namespace) -> None:
+    from .bench_speed import bench_speed, save_plot, speed_table
+
+    rows = bench_speed(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs, models=args.models)
+    _print_rows(speed_table(rows), rows, args.json)
+    if args.plot:
+        print(save_plot(rows, args.plot) or f"wrote {args.plot}")
+
+
+def _cache(args: argparse.Namespace) -> None:
+    from ..optim.compile import cache_entries, default_cache_dir, purge_cache
+    from ..measure.report import markdown_table
+
+    root = args.dir or default_cache_dir()
+    if args.action == "purge":
+        removed = purge_cache(root, args.key)
+        if args.key and not removed:
+            raise UserError(f"cache purge: no entry {args.key!r} in {root}; `python -m sdopt cache list` shows the keys")
+        print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} from {root}")
+        return
+    entries = cache_entries(root)
+    if not entries:
+        print(f"no compiled artifacts in {root}")
+        return
+    rows = [[e["key"], f"{e['bytes'] / 2**20:,.1f}", e.get("cold_compile_seconds", "?"), e.get("saved", "?")] for e in entries]
+    print(f"{root}:")
+    print("\n".join(markdown_table(["key (architecture-torch-settings)", "MiB", "cold compile s", "saved"], rows, right={1, 2})))
+
+
 def _serve(args: argparse.Namespace) -> None:
     from .serve import run_server
 
@@ -145,6 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
     unet.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
     unet.add_argument("--json", type=Path, help="write the rows as JSON")
     unet.set_defaults(handler=_bench_unet)
+    speed = bench_kinds.add_parser(
+        "speed", help="steady it/s of each fast-path rung in ComfyUI's KSampler, interleaved with stock ComfyUI"
+    )
+    speed.add_argument("--model", default="mini", help=f"{', '.join(SIZES)} (generated once) or a checkpoint file")
+    speed.add_argument("--size", type=int, default=512, help="image side in pixels")
+    speed.add_argument("--steps", type=int, default=20)
+    speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
+    speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=f"default: all of {', '.join(SPEED_RUNGS)}")
+    speed.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    speed.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
+    speed.add_argument("--json", type=Path, help="write the rows as JSON")
+    speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
+    speed.set_defaults(handler=_bench_speed)
+
+    cache = commands.add_parser("cache", help="list or purge the compiled-code cache of sdopt Compile")
+    cache.add_argument("action", choices=("list", "purge"))
+    cache.add_argument("key", nargs="?", help="purge only this entry (a key from `cache list`)")
+    cache.add_argument("--dir", type=Path, help="default: $SDOPT_CACHE_DIR or ~/.cache/sdopt/compile")
+    cache.set_defaults(handler=_cache)
     return parser
 
 

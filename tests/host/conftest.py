@@ -128,6 +128,7 @@ def comfy_host(tmp_path_factory):
     from sdopt.tools.headless import boot
     from sdopt.tools.modelgen import write_checkpoint
 
+    os.environ.setdefault("SDOPT_CACHE_DIR", str(tmp_path_factory.mktemp("compile-cache")))
     models = Path(os.environ.get("SDOPT_TEST_MODELS") or tmp_path_factory.mktemp("models"))
     checkpoint = models / CHECKPOINT
     if not checkpoint.exists():

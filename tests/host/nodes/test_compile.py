@@ -115,8 +115,8 @@ def test_cuda_graph_passes_through_on_a_cpu_and_says_so(comfy_host, mini):
 def test_compile_then_graph_share_one_fast_path(comfy_host, mini):
     model, _ = mini
     patched = compiled(comfy_host, model, "trace")
-    assert comfy_host.wrapper_counts(patched, comfy_host.glue.FAST_PATH_KEY) == {"diffusion_model": 1, "outer_sample": 1}
+    assert comfy_host.wrapper_counts(patched, comfy_host.glue.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
     again = compiled(comfy_host, patched, "compile_regional")
     assert fast_path(comfy_host, again).compile_config.mode == "compile_regional"
     assert fast_path(comfy_host, patched).compile_config.mode == "trace", "the upstream clone keeps its own fast path"
-    assert comfy_host.wrapper_counts(again, comfy_host.glue.FAST_PATH_KEY) == {"diffusion_model": 1, "outer_sample": 1}
+    assert comfy_host.wrapper_counts(again, comfy_host.glue.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}

@@ -428,6 +428,9 @@ class WrappedPatcher:
         if key in w:
             w.pop(key)
 
+    def get_wrappers(self, wrapper_type, key):
+        return self.wrappers.get(wrapper_type, {}).get(key, [])
+
 
 @pytest.fixture
 def patcher_extension(monkeypatch):
@@ -909,3 +912,149 @@ def test_profiler_node_clones_with_its_wrappers(patcher_extension, prompts, monk
     assert _keyed(model, profiler_node.NODE) == {}
     with pytest.raises(UserError, match="^label: "):
         profiler_node.SDOptProfiler().apply(model, "   ")
+
+
+# --- the fast path (SDOptCompile / SDOptCUDAGraph) --------------------------------------------------
+
+
+class TinyUNet(nn.Module):
+    """ComfyUI's UNetModel calling convention: ``_forward(x, timesteps, context, y, control, transformer_options)``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.proj = nn.Linear(8, 4)
+        self.seen_options = []
+
+    def _forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}):
+        self.seen_options.append(sorted(transformer_options))
+        return self.conv(x) * timesteps[:, None, None, None] + self.proj(context).mean(1)[:, :, None, None]
+
+
+class Executor:
+    """ComfyUI's WrapperExecutor as a wrapper receives it: call it to run the rest, ``class_obj`` is the UNet."""
+
+    def __init__(self, unet, wrappers=1, idx=0):
+        self.class_obj, self.wrappers, self.idx, self.calls = unet, [None] * wrappers, idx, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.class_obj._forward(*args, **kwargs)
+
+
+class FastPatcher(WrappedPatcher):
+    load_device = torch.device("cpu")
+
+    def clone(self):
+        n = super().clone()
+        n.__class__ = type(self)
+        return n
+
+
+class DynamicPatcher(FastPatcher):
+    """0.38's ModelPatcherDynamic as the compile and graph nodes see it."""
+
+    def is_dynamic(self):
+        return True
+
+    def get_non_dynamic_delegate(self):
+        delegate = FastPatcher.clone(self)
+        delegate.__class__ = FastPatcher
+        delegate.model_options["delegate"] = True
+        return delegate
+
+
+def _step(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 4, 8, 8, generator=g), torch.rand(2, generator=g), torch.randn(2, 5, 8, generator=g)
+
+
+def _compile_node(model, mode="trace"):
+    from sdopt.nodes.compile import SDOptCompile
+
+    return SDOptCompile().patch(model, mode, "inductor", "default", False, False, "fallback")[0]
+
+
+def test_compile_node_runs_on_the_non_dynamic_delegate_of_a_dynamic_patcher(patcher_extension):
+    patched = _compile_node(DynamicPatcher())
+    assert patched.model_options.get("delegate") and not hasattr(patched, "is_dynamic")
+    (record,) = glue.model_records(patched.model_options)
+    assert "non-dynamic delegate" in record["note"]
+    plain = _compile_node(FastPatcher())
+    assert "delegate" not in plain.model_options and "non-dynamic" not in glue.model_records(plain.model_options)[0]["note"]
+
+
+@torch.inference_mode()
+def test_fast_path_calls_the_unet_with_tensors_and_stable_options_only(patcher_extension):
+    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
+    unet = TinyUNet()
+    override = object()
+    for seed, steps in ((0, 20), (1, 40)):
+        options = {"optimized_attention_override": override, "sigmas": torch.rand(1), "sample_sigmas": torch.rand(steps + 1), "cond_or_uncond": [1, 0]}
+        x, t, context = _step(seed)
+        executor = Executor(unet)
+        out = fast_path(executor, x, t, context, None, None, options)
+        torch.testing.assert_close(out, unet._forward(x, t, context), rtol=0, atol=0)
+        assert executor.calls == 0, "the compiled path, not the executor, ran"
+    assert unet.seen_options[0] == ["optimized_attention_override"], "per-step options never reach the compiled code"
+    (stats,), graphs = fast_path.stats()
+    assert stats.compilations == 1 and graphs == []
+
+
+@pytest.mark.parametrize("case,reason", [
+    (dict(control={"output": []}), "ControlNet"),
+    (dict(transformer_options={"patches": {"attn1_patch": [print]}}), "transformer patches"),
+    (dict(num_video_frames=torch.ones(1)), "extra model inputs"),
+    (dict(executor=dict(wrappers=2, idx=0)), "another DIFFUSION_MODEL wrapper"),
+])
+@torch.inference_mode()
+def test_fast_path_runs_eager_where_it_cannot_serve_and_counts_why(patcher_extension, case, reason):
+    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
+    unet = TinyUNet()
+    executor = Executor(unet, **case.pop("executor", {}))
+    x, t, context = _step()
+    kwargs = {"control": None, "transformer_options": {}, **case}
+    extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("control", "transformer_options")}
+    executor.class_obj._forward = lambda *a, **k: "eager"
+    assert fast_path(executor, x, t, context, None, kwargs["control"], kwargs["transformer_options"], **extra) == "eager"
+    assert executor.calls == 1 and list(fast_path.eager_reasons) and reason in next(iter(fast_path.eager_reasons))
+
+
+def test_compile_and_graph_share_one_fast_path_in_either_order(patcher_extension, monkeypatch):
+    from sdopt.nodes import cuda_graph as graph_node
+
+    monkeypatch.setattr(graph_node, "graphs_unavailable_reason", lambda device: None)
+    graph = lambda model: graph_node.SDOptCUDAGraph().patch(model, 3, "fallback")[0]  # noqa: E731
+    for model in (graph(_compile_node(FastPatcher())), _compile_node(graph(FastPatcher()))):
+        fast_path = glue.fast_path_of(model)
+        assert fast_path.compile_config.mode == "trace" and fast_path.graph_config.max_graphs == 3
+        assert set(fast_path.requested) == {"SDOptCompile", "SDOptCUDAGraph"}
+        assert _keyed(model, glue.FAST_PATH_KEY) == {"diffusion_model": [fast_path], "sampler_sample": _keyed(model, glue.FAST_PATH_KEY)["sampler_sample"]}
+
+
+def test_graph_node_on_a_cpu_passes_through_or_stops(patcher_extension):
+    from sdopt.nodes.cuda_graph import SDOptCUDAGraph
+
+    (passed,) = SDOptCUDAGraph().patch(FastPatcher(), 4, "fallback")
+    assert glue.fast_path_of(passed) is None
+    assert "CUDA graphs need a CUDA device" in glue.model_records(passed.model_options)[0]["note"]
+    with pytest.raises(UserError, match="^on_unavailable: CUDA graphs need a CUDA device"):
+        SDOptCUDAGraph().patch(FastPatcher(), 4, "error")
+
+
+@torch.inference_mode()
+def test_capture_runs_with_comfyuis_malloc_graph_paused(patcher_extension, monkeypatch):
+    import contextlib
+
+    paused = []
+
+    @contextlib.contextmanager
+    def pause_malloc_graph():
+        paused.append(True)
+        yield
+
+    install(monkeypatch, "comfy.model_prefetch", pause_malloc_graph=pause_malloc_graph)
+    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
+    fast_path(Executor(TinyUNet()), *_step(), None, None, {})
+    assert paused == [True]

@@ -1,0 +1,231 @@
+"""``python -m sdopt bench speed``: the rungs of the fast path in ComfyUI's own KSampler, vs stock.
+
+One process, one booted ComfyUI, one checkpoint. Every rung is a MODEL built by the nodes a user
+would wire (each sdopt rung adds one node to the one before: precision auto, attention, then a
+trace, compile, CUDA graph or compile + graph), plus ComfyUI's own TorchCompileModel as the
+competitor. Each is profiled by SDOptProfiler and sampled by ``common_ksampler``:
+
+1. a warm-up prompt per rung, whose extra time over a steady run is its compile/capture time;
+2. ``rounds`` rounds that run every rung once, interleaved (A/B/A/B), so drift hits all alike;
+   a rung's speedup in a round is its steady it/s over stock's in that same round.
+
+The image of each rung is decoded once and compared with stock's (max pixel difference on 0–255).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import UserError
+from ..measure.profiler import MEMORY_LABELS, format_mib
+from ..measure.report import markdown_table
+from .bench_unet import checkpoint_path
+
+PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
+SEED, CFG, SAMPLER, SCHEDULER = 42, 7.0, "euler", "normal"
+STOCK = "stock"
+RUNGS = ("stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", "TorchCompileModel")
+
+
+@dataclass
+class SpeedRow:
+    rung: str
+    nodes: str
+    steady_it_per_s: float
+    speedup_median: float
+    speedup_min: float
+    speedup_max: float
+    first_run_s: float
+    compile_s: float
+    sampler_s: float
+    decode_s: float
+    end_to_end_s: float
+    peak_memory_bytes: int
+    memory_kind: str
+    max_pixel_diff: float
+    device: str
+    notes: str = ""
+    rounds_it_per_s: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sdopt_rungs(host, base, names: list[str]) -> dict[str, tuple[object, str]]:
+    """{rung: (model, the nodes that made it)}; sdopt rungs stack on precision + attention."""
+    node = host.node_classes
+    precision = node["SDOptPrecision"]().patch(base, "auto", "default", False, False)[0]
+    attention = node["SDOptAttention"]().patch(precision, "sdpa", "fallback", 0, 32)[0]
+    stack = "Precision(auto) → Attention(sdpa)"
+
+    def compile_(model, mode):
+        return node["SDOptCompile"]().patch(model, mode, "inductor", "default", False, False, "fallback")[0]
+
+    def graph(model):
+        return node["SDOptCUDAGraph"]().patch(model, 4, "fallback")[0]
+
+    makers = {
+        STOCK: lambda: (base, "—"),
+        "precision": lambda: (precision, "Precision(auto)"),
+        "attention": lambda: (attention, stack),
+        "trace": lambda: (compile_(attention, "trace"), f"{stack} → Compile(trace)"),
+        "compile": lambda: (compile_(attention, "compile"), f"{stack} → Compile(compile)"),
+        "graph": lambda: (graph(attention), f"{stack} → CUDAGraph"),
+        "compile+graph": lambda: (graph(compile_(attention, "compile")), f"{stack} → Compile(compile) → CUDAGraph"),
+        "TorchCompileModel": lambda: (_comfy_torch_compile(base), "ComfyUI TorchCompileModel(inductor)"),
+    }
+    return {name: makers[name]() for name in names}
+
+
+def _comfy_torch_compile(base):
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    model = base.clone()
+    set_torch_compile_wrapper(model=model, backend="inductor")
+    return model
+
+
+def _sample(host, model, label: str, latent: dict, conds, steps: int):
+    """(latent, the profiler's run, seconds from call to return) of one KSampler prompt."""
+    import nodes
+    from comfy_execution.utils import CurrentNodeContext
+
+    profiled = host.node_classes["SDOptProfiler"]().apply(model, label)[0]
+    prompt_id = f"bench-{uuid.uuid4().hex}"
+    with CurrentNodeContext(prompt_id, "1"):
+        started = time.perf_counter()
+        out = nodes.common_ksampler(profiled, SEED, steps, CFG, SAMPLER, SCHEDULER, conds[0], conds[1], latent)[0]["samples"]
+        if out.device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    (run,) = host.pack("nodes.glue").prompt_log(prompt_id).runs
+    return out, run, wall
+
+
+def _decode(vae, samples) -> tuple[torch.Tensor, float]:
+    started = time.perf_counter()
+    image = vae.decode(samples)
+    if image.device.type == "cuda":
+        torch.cuda.synchronize()
+    return image.float().cpu(), time.perf_counter() - started
+
+
+def _compile_seconds(glue, model) -> float | None:
+    fast_path = glue.fast_path_of(model)
+    if fast_path is None:
+        return None
+    compile_stats, graph_stats = fast_path.stats()
+    return sum(s.compile_seconds for s in compile_stats) + sum(s.capture_seconds for s in graph_stats)
+
+
+def _notes(run: dict) -> str:
+    return "; ".join(f"{o['node']}: {o['active']}" + (f" ({o['note']})" if o.get("note") else "") for o in run["optimizations"])
+
+
+@torch.inference_mode()
+def bench_speed(
+    comfyui: Path,
+    model: str = "mini",
+    size: int = 512,
+    steps: int = 20,
+    rounds: int = 3,
+    rungs: list[str] = RUNGS,
+    models: Path | None = None,
+    progress: bool = True,
+) -> list[SpeedRow]:
+    from .headless import boot
+
+    if size % 64 or size < 64:
+        raise UserError(f"--size must be a positive multiple of 64, not {size}")
+    if steps < 2 or rounds < 1:
+        raise UserError("--steps must be >= 2 (the first step is warm-up) and --rounds >= 1")
+    unknown = [r for r in rungs if r not in RUNGS]
+    if unknown:
+        raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS)}")
+    names = [STOCK] + [r for r in rungs if r != STOCK]
+    host = boot(comfyui)
+    import comfy.sd
+    import nodes
+
+    path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
+    base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
+    encode = nodes.CLIPTextEncode().encode
+    conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
+    latent = {"samples": torch.zeros(1, 4, size // 8, size // 8)}
+    glue = host.pack("nodes.glue")
+    built = _sdopt_rungs(host, base, names)
+    first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
+    bar = tqdm(total=len(names) * (rounds + 1), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
+    for name in names:
+        samples, run, wall = _sample(host, built[name][0], name, latent, conds, steps)
+        first[name] = (wall, run)
+        images[name], decode[name] = _decode(vae, samples)
+        bar.update()
+    for _ in range(rounds):
+        for name in names:
+            _, run, wall = _sample(host, built[name][0], name, latent, conds, steps)
+            runs[name].append((wall, run))
+            bar.update()
+    bar.close()
+    rows = []
+    stock_rates = [run["steady_it_per_s"] for _, run in runs[STOCK]]
+    for name in names:
+        rates = [run["steady_it_per_s"] for _, run in runs[name]]
+        speedups = [rate / stock for rate, stock in zip(rates, stock_rates)]
+        steady_wall = statistics.median(wall for wall, _ in runs[name])
+        last = runs[name][-1][1]
+        compile_s = _compile_seconds(glue, built[name][0])
+        sampler_s = statistics.median(run["sampler_total_s"] for _, run in runs[name])
+        rows.append(SpeedRow(
+            rung=name, nodes=built[name][1], steady_it_per_s=statistics.median(rates),
+            speedup_median=statistics.median(speedups), speedup_min=min(speedups), speedup_max=max(speedups),
+            first_run_s=first[name][0], compile_s=compile_s if compile_s is not None else max(0.0, first[name][0] - steady_wall),
+            sampler_s=sampler_s, decode_s=decode[name], end_to_end_s=sampler_s + decode[name],
+            peak_memory_bytes=max(run["peak_memory_bytes"] for _, run in runs[name]), memory_kind=last["memory_kind"],
+            max_pixel_diff=float((images[name] - images[STOCK]).abs().max() * 255), device=str(base.load_device),
+            notes=_notes(last), rounds_it_per_s=rates,
+        ))
+    return rows
+
+
+def speed_table(rows: list[SpeedRow]) -> str:
+    headers = ["rung", "steady it/s", "speedup vs stock (median, min–max)", "first run s", "compile/capture s",
+               "sampler + decode s", "peak memory", "max pixel diff"]
+    body = [
+        [r.rung, f"{r.steady_it_per_s:.2f}", f"{r.speedup_median:.2f}x ({r.speedup_min:.2f}–{r.speedup_max:.2f})",
+         f"{r.first_run_s:.1f}", f"{r.compile_s:.1f}", f"{r.sampler_s:.3f} + {r.decode_s:.3f}",
+         f"{format_mib(r.peak_memory_bytes)} {MEMORY_LABELS[r.memory_kind]}", f"{r.max_pixel_diff:.1f}"]
+        for r in rows
+    ]
+    notes = [f"- **{r.rung}** ({r.nodes}): {r.notes or 'stock ComfyUI'}" for r in rows]
+    return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7}) + ["", *notes])
+
+
+def save_plot(rows: list[SpeedRow], path: Path) -> str | None:
+    """A bar chart of steady it/s per rung; None, or why not (no matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: pip install matplotlib"
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(rows)))
+    names = [r.rung for r in rows][::-1]
+    rates = [r.steady_it_per_s for r in rows][::-1]
+    bars = ax.barh(names, rates, color=["#999" if n in (STOCK, "TorchCompileModel") else "#2a7" for n in names])
+    for bar, row in zip(bars, rows[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {row.steady_it_per_s:.1f} it/s ({row.speedup_median:.2f}x)", va="center", fontsize=8)
+    ax.set_xlabel("steady it/s in ComfyUI's KSampler (higher is better)")
+    ax.set_title(f"sdopt bench speed on {rows[0].device}")
+    ax.set_xlim(0, max(rates) * 1.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
