@@ -5,6 +5,7 @@ from .cuda_graph import SDOptCUDAGraph
 from .precision import SDOptPrecision
 from .profiler import SDOptProfiler
 from .report import SDOptProfileReport
+from .tiled_vae import SDOptTiledVAE
 from .vae_attention import SDOptVAEAttention
 from .vae_precision import SDOptVAEPrecision
 
@@ -15,6 +16,7 @@ _NODES = {
     "SDOptVAEPrecision": (SDOptVAEPrecision, "sdopt VAE Precision"),
     "SDOptAttention": (SDOptAttention, "sdopt Attention"),
     "SDOptVAEAttention": (SDOptVAEAttention, "sdopt VAE Attention"),
+    "SDOptTiledVAE": (SDOptTiledVAE, "sdopt Tiled VAE"),
     "SDOptCompile": (SDOptCompile, "sdopt Compile"),
     "SDOptCUDAGraph": (SDOptCUDAGraph, "sdopt CUDA Graph"),
 }

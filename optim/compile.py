@@ -11,7 +11,8 @@ once, and every other change runs the cached code. Weights stay inputs in every 
 - ``trace``: one trace per input signature; replaced weights are rebound into the trace, and with
   ``freeze`` (weights folded in as constants) the trace is redone, which the stats say.
 
-``stats`` counts compilations with their time and dynamo's guard-failure reasons.
+The first call of each input signature runs eagerly, so lazy set-up in the module stays out of the
+compiled code. ``stats`` counts compilations with their time and dynamo's guard-failure reasons.
 ``ArtifactCache`` keeps torch's own compiler artifacts (``torch.compiler.save_cache_artifacts``)
 in a folder per architecture, torch version and settings, so a new process compiles warm.
 """
@@ -229,6 +230,7 @@ class CompiledForward:
         self.call = call
         self.config = config
         self.stats = CompileStats()
+        self.seen: set = set()
         self.traces: OrderedDict[tuple, tuple[torch.jit.ScriptModule, dict]] = OrderedDict()
         if config.mode == "compile":
             self._compiled = torch.compile(functools.partial(call, module), **config.torch_compile_kwargs())
@@ -241,12 +243,18 @@ class CompiledForward:
             self._block_forwards = [(block, shared[type(block)]) for block in self.blocks]
 
     def __call__(self, *inputs):
+        signature = input_signature(inputs)
+        if signature not in self.seen:
+            # Lazy Python-side set-up in the module (per-shape attention decisions, records, caches)
+            # runs eagerly once, so the compiled code only meets its steady path and needs no graph break.
+            self.seen.add(signature)
+            return self.call(self.module, *inputs)
         compilations = self.stats.compilations
         try:
             return self._run(inputs)
         finally:
             if self.stats.compilations > compilations:
-                self.stats.signatures.add(input_signature(inputs))
+                self.stats.signatures.add(signature)
 
     def _run(self, inputs: tuple):
         with accounted(self.stats):

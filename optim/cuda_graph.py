@@ -173,6 +173,8 @@ class GraphedFunction:
             if self.graphs:
                 self.stats.invalidations += len(self.graphs)
             self.graphs.clear()
+            if isinstance(self.backend, CUDACaptureBackend):
+                self.backend = CUDACaptureBackend()  # a pool whose graphs are all gone cannot take new ones
             self.failed.clear()
             self.weights_key = weights_key
         signature = input_signature(inputs)

@@ -5,7 +5,8 @@ would wire (each sdopt rung adds one node to the one before: precision auto, att
 trace, compile, CUDA graph or compile + graph), plus ComfyUI's own TorchCompileModel as the
 competitor. Each is profiled by SDOptProfiler and sampled by ``common_ksampler``:
 
-1. a warm-up prompt per rung, whose extra time over a steady run is its compile/capture time;
+1. a warm-up prompt per rung, whose extra time over its median steady prompt is its compile/capture
+   time (the same measure for sdopt's rungs and for TorchCompileModel);
 2. ``rounds`` rounds that run every rung once, interleaved (A/B/A/B), so drift hits all alike;
    a rung's speedup in a round is its steady it/s over stock's in that same round.
 
@@ -116,14 +117,6 @@ def _decode(vae, samples) -> tuple[torch.Tensor, float]:
     return image.float().cpu(), time.perf_counter() - started
 
 
-def _compile_seconds(glue, model) -> float | None:
-    fast_path = glue.fast_path_of(model)
-    if fast_path is None:
-        return None
-    compile_stats, graph_stats = fast_path.stats()
-    return sum(s.compile_seconds for s in compile_stats) + sum(s.capture_seconds for s in graph_stats)
-
-
 def _notes(run: dict) -> str:
     return "; ".join(f"{o['node']}: {o['active']}" + (f" ({o['note']})" if o.get("note") else "") for o in run["optimizations"])
 
@@ -158,19 +151,19 @@ def bench_speed(
     encode = nodes.CLIPTextEncode().encode
     conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
     latent = {"samples": torch.zeros(1, 4, size // 8, size // 8)}
-    glue = host.pack("nodes.glue")
     built = _sdopt_rungs(host, base, names)
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
     bar = tqdm(total=len(names) * (rounds + 1), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
     for name in names:
         samples, run, wall = _sample(host, built[name][0], name, latent, conds, steps)
         first[name] = (wall, run)
-        images[name], decode[name] = _decode(vae, samples)
+        images[name] = _decode(vae, samples)[0]
         bar.update()
     for _ in range(rounds):
         for name in names:
-            _, run, wall = _sample(host, built[name][0], name, latent, conds, steps)
+            samples, run, wall = _sample(host, built[name][0], name, latent, conds, steps)
             runs[name].append((wall, run))
+            decode[name] = _decode(vae, samples)[1]
             bar.update()
     bar.close()
     rows = []
@@ -180,12 +173,11 @@ def bench_speed(
         speedups = [rate / stock for rate, stock in zip(rates, stock_rates)]
         steady_wall = statistics.median(wall for wall, _ in runs[name])
         last = runs[name][-1][1]
-        compile_s = _compile_seconds(glue, built[name][0])
         sampler_s = statistics.median(run["sampler_total_s"] for _, run in runs[name])
         rows.append(SpeedRow(
             rung=name, nodes=built[name][1], steady_it_per_s=statistics.median(rates),
             speedup_median=statistics.median(speedups), speedup_min=min(speedups), speedup_max=max(speedups),
-            first_run_s=first[name][0], compile_s=compile_s if compile_s is not None else max(0.0, first[name][0] - steady_wall),
+            first_run_s=first[name][0], compile_s=max(0.0, first[name][0] - steady_wall),
             sampler_s=sampler_s, decode_s=decode[name], end_to_end_s=sampler_s + decode[name],
             peak_memory_bytes=max(run["peak_memory_bytes"] for _, run in runs[name]), memory_kind=last["memory_kind"],
             max_pixel_diff=float((images[name] - images[STOCK]).abs().max() * 255), device=str(base.load_device),

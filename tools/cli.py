@@ -91,6 +91,21 @@ def _bench_speed(args: argparse.Namespace) -> None:
         print(save_plot(rows, args.plot) or f"wrote {args.plot}")
 
 
+def _bench_vae(args: argparse.Namespace) -> None:
+    from .bench_vae import bench_vae, vae_table
+
+    rows = bench_vae(args.sizes, tile=args.tile, overlap=args.overlap, keep_intermediates=args.keep_intermediates,
+                     model=args.model, budget_mb=args.budget_mb or None, seed=args.seed)
+    _print_rows(vae_table(rows), rows, args.json)
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of pixel sizes, e.g. 512,1024,2048") from None
+
+
 def _cache(args: argparse.Namespace) -> None:
     from ..optim.compile import cache_entries, default_cache_dir, purge_cache
     from ..measure.report import markdown_table
@@ -188,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--json", type=Path, help="write the rows as JSON")
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
     speed.set_defaults(handler=_bench_speed)
+    vae = bench_kinds.add_parser(
+        "vae", help="SD1.5 VAE decode untiled vs tiled (random weights), each in a fresh process: time, peak RAM, PSNR"
+    )
+    vae.add_argument("--sizes", type=_sizes, default=[512, 1024], help="comma-separated image sides in pixels")
+    vae.add_argument("--tile", type=int, default=512, help="tile side in image pixels")
+    vae.add_argument("--overlap", type=int, default=0, help="image pixels cross-faded between tiles")
+    vae.add_argument("--keep-intermediates", nargs="+", choices=("no", "yes", "auto"), default=["no", "yes"],
+                     help="one tiled run per value: no = recompute (least memory), yes = keep (faster), auto = by budget")
+    vae.add_argument("--budget-mb", type=int, default=0, help="memory budget for auto (0 = free RAM)")
+    vae.add_argument("--model", choices=SIZES, default="full", help="whose VAE config (mini and full: the SD1.5 VAE)")
+    vae.add_argument("--seed", type=int, default=0)
+    vae.add_argument("--json", type=Path, help="write the rows as JSON")
+    vae.set_defaults(handler=_bench_vae)
 
     cache = commands.add_parser("cache", help="list or purge the compiled-code cache of sdopt Compile")
     cache.add_argument("action", choices=("list", "purge"))

@@ -53,11 +53,14 @@ def test_every_mode_matches_eager(tiny_unet, config):
 def test_a_new_resolution_compiles_once_and_new_values_never(tiny_unet, mode):
     fast = compile_forward(tiny_unet, unet_call, CompileConfig(mode, backend="aot_eager"))
     fast(*unet_inputs(8, seed=0))
+    assert fast.stats.compilations == 0, "the first call of a signature runs eagerly"
+    fast(*unet_inputs(8, seed=5))
     compilations = fast.stats.compilations
     assert compilations >= 1 and fast.stats.cache_entries == 1
     fast(*unet_inputs(8, seed=1))
     assert fast.stats.compilations == compilations, fast.stats.recompile_reasons
     fast(*unet_inputs(16, seed=2))
+    fast(*unet_inputs(16, seed=6))
     assert fast.stats.cache_entries == 2
     compilations = fast.stats.compilations
     for seed, size in ((3, 8), (4, 16)):
@@ -75,6 +78,7 @@ def test_a_new_resolution_compiles_once_and_new_values_never(tiny_unet, mode):
 def test_replaced_weights_are_used(tiny_unet, config):
     fast = compile_forward(tiny_unet, unet_call, config)
     fast(*unet_inputs())
+    fast(*unet_inputs())
     before = fast.stats.compilations
     for _ in range(2):
         for name, param in list(tiny_unet.named_parameters())[:40]:
@@ -90,6 +94,7 @@ def test_replaced_weights_are_used(tiny_unet, config):
 @torch.inference_mode()
 def test_weights_changed_in_place_are_used(tiny_unet):
     fast = compile_forward(tiny_unet, unet_call, CompileConfig("compile", backend="aot_eager"))
+    fast(*unet_inputs())
     fast(*unet_inputs())
     compilations = fast.stats.compilations
     for param in tiny_unet.parameters():
@@ -108,7 +113,8 @@ def test_regional_compile_picks_the_repeated_blocks(tiny_unet):
 def test_regional_compile_leaves_the_module_as_it_was(tiny_unet):
     fast = compile_forward(tiny_unet, unet_call, CompileConfig("compile_regional", backend="aot_eager"))
     fast(*unet_inputs())
-    assert not any("forward" in vars(block) for block in repeated_blocks(tiny_unet))
+    fast(*unet_inputs())
+    assert fast.stats.compilations and not any("forward" in vars(block) for block in repeated_blocks(tiny_unet))
 
 
 def test_config_and_availability():
@@ -124,6 +130,7 @@ def test_artifact_cache_saves_lists_loads_and_purges(tiny_unet, tmp_path):
     cache = ArtifactCache.for_module(tiny_unet, config, tmp_path)
     assert not cache.load()
     fast = compile_forward(tiny_unet, unet_call, config)
+    fast(*unet_inputs())
     fast(*unet_inputs())
     assert cache.save(fast.stats.compile_seconds) == cache.folder
     (entry,) = cache_entries(tmp_path)

@@ -1,0 +1,412 @@
+"""Exact low-memory UNet execution: the same output with less working memory per op.
+
+For resolutions where activations, not weights, break the memory budget. ``low_memory(config)``
+is a context manager under which, without changing the model:
+
+- ``F.group_norm`` computes its statistics over the whole tensor in row chunks (a numerically
+  stable merge of per-chunk mean and variance), then normalizes chunk by chunk, so its float32
+  working copy never exceeds the budget;
+- ``F.conv2d`` runs over row slices of its output, each fed by the input rows it needs (the halo
+  rows around it, zeros only at the tensor's own top and bottom), so the kernel's layout copies and
+  workspace cover one slice;
+- every module whose class name is in ``feedforward_modules`` (ComfyUI's and diffusers'
+  ``FeedForward``, GEGLU included) runs over token slices, so its hidden activations (a GEGLU's
+  projection is twice the inner width, then the GELU and the product) cover one slice.
+
+An op runs chunked only when its estimated working memory exceeds ``budget_bytes``; each chunk is
+sized to fit it. The output of every op is full size either way, so what this lowers is the
+temporaries an op makes beyond its output. Two more pieces sit beside the context manager:
+``sequential_batches`` splits a batched call (cond and uncond) along dim 0 and concatenates the
+results, and ``attention_config`` sizes the ``sub_quadratic`` attention backend from the same
+budget (the host sets attention through its own per-model override). ``run_low_memory`` does all
+of it around one call.
+
+Chunk sizes come from shapes only (no data-dependent branching), so everything here also runs on
+meta and fake tensors, which is how a memory planner predicts the peaks.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
+
+from ..errors import UserError
+from .attention import HALF_DTYPES, AttentionConfig, sub_quadratic_chunks
+
+# Chunked GroupNorm holds a chunk's float copy and one float temporary of the same size.
+_GROUP_NORM_COPIES = 2
+# A feed-forward's working set per token: its widest hidden layer plus one more of that width
+# (GEGLU: the 2*inner projection, then GELU(gate) and the product, inner wide each).
+_FEEDFORWARD_COPIES = 2
+
+
+@dataclass(frozen=True)
+class LowMemConfig:
+    """What ``low_memory`` and ``run_low_memory`` do.
+
+    ``budget_bytes``: the working memory (temporaries beyond the op's inputs and output) one op
+    may use; ops estimated above it run in chunks sized to fit it, and ``attention_config`` gives
+    attention's score chunks the same budget. ``sequential_cfg``: ``run_low_memory`` runs the
+    batch ``batch_chunk`` entries at a time (cond and uncond one after the other).
+    ``feedforward_modules``: class names of token-wise modules that ``slice_feedforward`` runs
+    over token slices (their input's second-to-last dim).
+    """
+
+    budget_bytes: int
+    sequential_cfg: bool = True
+    chunk_groupnorm: bool = True
+    slice_convs: bool = True
+    slice_feedforward: bool = True
+    batch_chunk: int = 1
+    feedforward_modules: tuple[str, ...] = ("FeedForward",)
+
+    def __post_init__(self):
+        if self.budget_bytes <= 0:
+            raise UserError(f"budget_bytes must be > 0 (got {self.budget_bytes}); give the working memory one op may use")
+        if self.batch_chunk < 1:
+            raise UserError(f"batch_chunk must be >= 1 (got {self.batch_chunk}); 1 runs cond and uncond one after the other")
+
+
+# --- sequential batches ------------------------------------------------------------------------
+
+
+def sequential_batches(fn: Callable[..., Any], x: torch.Tensor, *args: Any, batch_chunk: int = 1, **kwargs: Any) -> Any:
+    """``fn(x, *args, **kwargs)`` run ``batch_chunk`` batch entries at a time, results concatenated on dim 0.
+
+    Every tensor whose dim 0 equals ``x``'s batch (in ``args``, ``kwargs`` and, recursively, in
+    the dicts, lists and tuples they hold: conditioning, ControlNet residuals, per-sample sigmas)
+    is sliced with ``x``; everything else is passed whole. The results (a tensor, or dicts, lists
+    and tuples of them) are concatenated on dim 0.
+    """
+    batch = x.shape[0]
+    if batch <= batch_chunk:
+        return fn(x, *args, **kwargs)
+    parts = []
+    for start in range(0, batch, batch_chunk):
+        rows = slice(start, min(start + batch_chunk, batch))
+        parts.append(fn(x[rows], *_batch_slice(args, rows, batch), **_batch_slice(kwargs, rows, batch)))
+    return _concat_batches(parts)
+
+
+def _batch_slice(value: Any, rows: slice, batch: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[rows] if value.ndim > 0 and value.shape[0] == batch else value
+    if isinstance(value, Mapping):
+        return {key: _batch_slice(item, rows, batch) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_batch_slice(item, rows, batch) for item in value)
+    return value
+
+
+def _concat_batches(parts: list) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return {key: _concat_batches([part[key] for part in parts]) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_concat_batches(list(items)) for items in zip(*parts))
+    return first
+
+
+# --- chunked ops -------------------------------------------------------------------------------
+
+
+def group_norm_working_bytes(x: torch.Tensor) -> int:
+    """The float32 working copy of ``x`` that an upcasting GroupNorm makes."""
+    return x.numel() * _compute_dtype(x.dtype).itemsize
+
+
+def chunked_group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    budget_bytes: int,
+) -> torch.Tensor:
+    """``F.group_norm`` over ``x [N, C, D0, ...]`` in chunks of D0 rows whose float working set fits the budget.
+
+    First pass: each chunk's per-(sample, group) mean and variance, merged into the whole
+    tensor's with Chan's parallel formula (stable, unlike a running sum of squares). Second pass:
+    each chunk normalized in float32 (float64 for float64 input) and written into the output.
+    """
+    if x.ndim < 3:
+        return F.group_norm(x, num_groups, weight, bias, eps)
+    batch, channels, height = x.shape[:3]
+    compute = _compute_dtype(x.dtype)
+    row_bytes = _GROUP_NORM_COPIES * batch * channels * math.prod(x.shape[3:]) * compute.itemsize
+    rows = _rows_within(budget_bytes, row_bytes, height)
+    group_shape = (batch, num_groups) + (1,) * (x.ndim - 1)
+    count = 0
+    mean = m2 = None
+    for chunk in _row_chunks(x, rows):
+        grouped = chunk.unflatten(1, (num_groups, channels // num_groups)).to(compute)
+        reduce = tuple(range(2, grouped.ndim))
+        chunk_count = math.prod(grouped.shape[2:])
+        chunk_var, chunk_mean = torch.var_mean(grouped, dim=reduce, correction=0, keepdim=True)
+        if mean is None:
+            mean, m2 = chunk_mean, chunk_var * chunk_count
+        else:
+            total = count + chunk_count
+            delta = chunk_mean - mean
+            mean = mean + delta * (chunk_count / total)
+            m2 = m2 + chunk_var * chunk_count + delta.square() * (count * chunk_count / total)
+        count += chunk_count
+    mean = mean.reshape(group_shape)
+    rstd = torch.rsqrt(m2.reshape(group_shape) / count + eps)
+    affine_shape = (1, channels) + (1,) * (x.ndim - 2)
+    out = torch.empty_like(x)
+    start = 0
+    for chunk in _row_chunks(x, rows):
+        grouped = chunk.unflatten(1, (num_groups, channels // num_groups)).to(compute)
+        normalized = ((grouped - mean) * rstd).flatten(1, 2)
+        if weight is not None:
+            normalized = normalized * weight.to(compute).reshape(affine_shape)
+        if bias is not None:
+            normalized = normalized + bias.to(compute).reshape(affine_shape)
+        out.narrow(2, start, chunk.shape[2]).copy_(normalized)
+        start += chunk.shape[2]
+    return out
+
+
+def conv2d_working_bytes(x: torch.Tensor, weight: torch.Tensor, stride=1, padding=0, dilation=1) -> int:
+    """What an unsliced ``F.conv2d`` holds beyond its input and output: about one layout copy of
+    each (measured on CPU: oneDNN reorders; cuDNN's workspaces are of the same order)."""
+    out_height, out_width = _conv_output_size(x, weight, _pair(stride), _pair(padding), _pair(dilation))
+    return (x.numel() + x.shape[0] * weight.shape[0] * out_height * out_width) * x.element_size()
+
+
+def sliced_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride=1,
+    padding=0,
+    dilation=1,
+    groups: int = 1,
+    *,
+    budget_bytes: int,
+) -> torch.Tensor:
+    """``F.conv2d`` over ``x [N, C, H, W]`` in row slices of the output, each slice's working memory within the budget.
+
+    Output rows ``[a, b)`` read input rows ``[a*s - p, (b-1)*s - p + d*(k-1) + 1)``; the rows of
+    that range outside the input are the zero padding, added to the edge slices only, so every
+    slice equals the same rows of the unsliced convolution.
+    """
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    batch, _, height, width = x.shape
+    out_channels, _, kernel_height, _ = weight.shape
+    out_height, out_width = _conv_output_size(x, weight, stride, padding, dilation)
+    reach = dilation[0] * (kernel_height - 1) + 1
+    in_row_bytes = 2 * batch * x.shape[1] * width * x.element_size()
+    out_row_bytes = 2 * batch * out_channels * out_width * x.element_size()
+    halo_bytes = max(0, reach - stride[0]) * in_row_bytes
+    rows = _rows_within(budget_bytes - halo_bytes, stride[0] * in_row_bytes + out_row_bytes, out_height)
+    out = torch.empty(
+        (batch, out_channels, out_height, out_width), dtype=x.dtype, device=x.device, memory_format=_memory_format(x)
+    )
+    for first in range(0, out_height, rows):
+        last = min(first + rows, out_height)
+        top = first * stride[0] - padding[0]
+        bottom = (last - 1) * stride[0] - padding[0] + reach
+        part = x[:, :, max(top, 0) : min(bottom, height)]
+        if top < 0 or bottom > height:
+            part = F.pad(part, (0, 0, max(0, -top), max(0, bottom - height)))
+        sliced = F.conv2d(part, weight, bias, stride, (0, padding[1]), dilation, groups)
+        out.narrow(2, first, last - first).copy_(sliced)
+    return out
+
+
+def feedforward_working_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """A token-wise module's hidden activations over all of ``x``'s tokens."""
+    return _FEEDFORWARD_COPIES * _hidden_width(module, x) * (x.numel() // x.shape[-1]) * x.element_size()
+
+
+def token_sliced(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tokens_per_slice: int) -> torch.Tensor:
+    """``fn(x)`` for a token-wise ``fn``, run over slices of ``x``'s second-to-last dim and written into one output."""
+    dim = x.ndim - 2
+    tokens = x.shape[dim]
+    out = None
+    for start in range(0, tokens, tokens_per_slice):
+        length = min(tokens_per_slice, tokens - start)
+        part = fn(x.narrow(dim, start, length))
+        if out is None:
+            out = part.new_empty(part.shape[:dim] + (tokens,) + part.shape[dim + 1 :])
+        out.narrow(dim, start, length).copy_(part)
+    return out
+
+
+def feedforward_tokens_per_slice(module: nn.Module, x: torch.Tensor, budget_bytes: int) -> int:
+    dim = x.ndim - 2
+    per_token = feedforward_working_bytes(module, x) // x.shape[dim]
+    return _rows_within(budget_bytes, per_token, x.shape[dim])
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+def attention_config(config: LowMemConfig) -> AttentionConfig:
+    """The ``sub_quadratic`` attention backend with score chunks within the budget."""
+    return AttentionConfig(backend="sub_quadratic", memory_budget_bytes=config.budget_bytes)
+
+
+def attention_chunks(q_shape: Sequence[int], k_shape: Sequence[int], dtype: torch.dtype, budget_bytes: int) -> tuple[int, int]:
+    """(query chunk, key chunk) that ``sub_quadratic`` uses for q ``[B, H, Nq, D]`` and k ``[B, H, Nk, D]`` under the budget."""
+    batch, heads, q_tokens = q_shape[:3]
+    return sub_quadratic_chunks(batch * heads, q_tokens, k_shape[2], _compute_dtype(dtype).itemsize, budget_bytes)
+
+
+# --- the context manager -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def low_memory(config: LowMemConfig) -> Iterator[None]:
+    """Within the block, GroupNorm, conv2d and feed-forward modules whose working memory exceeds
+    ``config.budget_bytes`` run chunked. Process-wide while active (a torch function mode and
+    global module hooks); no module is changed."""
+    feedforward = _FeedForwardSlicer(config)
+    with contextlib.ExitStack() as stack:
+        if config.slice_feedforward:
+            stack.callback(register_module_forward_pre_hook(feedforward.before).remove)
+            stack.callback(register_module_forward_hook(feedforward.after, with_kwargs=True).remove)
+        stack.enter_context(_LowMemoryMode(config))
+        yield
+
+
+def run_low_memory(config: LowMemConfig, fn: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``fn(x, *args, **kwargs)`` under ``low_memory(config)``, the batch split by ``sequential_batches``
+    when ``config.sequential_cfg``: the whole technique around one UNet call (ComfyUI's ``apply_model``)."""
+    with low_memory(config):
+        if config.sequential_cfg:
+            return sequential_batches(fn, x, *args, batch_chunk=config.batch_chunk, **kwargs)
+        return fn(x, *args, **kwargs)
+
+
+class _LowMemoryMode(TorchFunctionMode):
+    def __init__(self, config: LowMemConfig):
+        super().__init__()
+        self.config = config
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        budget = self.config.budget_bytes
+        if func is F.group_norm and self.config.chunk_groupnorm:
+            x, num_groups, weight, bias, eps = _bind(args, kwargs, _GROUP_NORM_PARAMETERS)
+            if x.ndim >= 3 and group_norm_working_bytes(x) > budget:
+                return chunked_group_norm(x, num_groups, weight, bias, eps, budget_bytes=budget)
+        elif func is F.conv2d and self.config.slice_convs:
+            x, weight, bias, stride, padding, dilation, groups = _bind(args, kwargs, _CONV2D_PARAMETERS)
+            if (
+                x.ndim == 4
+                and not isinstance(padding, str)
+                and conv2d_working_bytes(x, weight, stride, padding, dilation) > budget
+            ):
+                return sliced_conv2d(x, weight, bias, stride, padding, dilation, groups, budget_bytes=budget)
+        return func(*args, **kwargs)
+
+
+class _FeedForwardSlicer:
+    """Global forward hooks that run matching token-wise modules over token slices.
+
+    A forward hook cannot skip the forward, so the pre-hook hands the real forward an empty
+    (zero-token) view of an input that is over the budget, which costs nothing, and keeps the input;
+    the forward hook, which sees the call's keyword arguments too, then returns the module run
+    slice by slice on the kept input. The module is never touched.
+    """
+
+    def __init__(self, config: LowMemConfig):
+        self.names = frozenset(config.feedforward_modules)
+        self.budget = config.budget_bytes
+        self.slicing: set[int] = set()
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def before(self, module: nn.Module, args: tuple):
+        if type(module).__name__ not in self.names:
+            return None
+        # A forward that raised leaves its input here; the module's next call must not see it.
+        self.pending.pop(id(module), None)
+        if id(module) in self.slicing or not args or not isinstance(args[0], torch.Tensor) or args[0].ndim < 2:
+            return None
+        x = args[0]
+        if feedforward_working_bytes(module, x) <= self.budget:
+            return None
+        self.pending[id(module)] = x
+        return (x.narrow(x.ndim - 2, 0, 0), *args[1:])
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        x = self.pending.pop(id(module), None)
+        if x is None:
+            return None
+        self.slicing.add(id(module))
+        try:
+            return token_sliced(
+                lambda part: module(part, *args[1:], **kwargs), x, feedforward_tokens_per_slice(module, x, self.budget)
+            )
+        finally:
+            self.slicing.discard(id(module))
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+_GROUP_NORM_PARAMETERS = (("input", None), ("num_groups", None), ("weight", None), ("bias", None), ("eps", 1e-5))
+_CONV2D_PARAMETERS = (
+    ("input", None),
+    ("weight", None),
+    ("bias", None),
+    ("stride", 1),
+    ("padding", 0),
+    ("dilation", 1),
+    ("groups", 1),
+)
+
+
+def _bind(args: tuple, kwargs: dict, parameters: tuple[tuple[str, Any], ...]) -> list:
+    """Positional and keyword arguments of a torch function as one list in signature order."""
+    return [args[i] if i < len(args) else kwargs.get(name, default) for i, (name, default) in enumerate(parameters)]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def _rows_within(budget_bytes: int, row_bytes: int, total_rows: int) -> int:
+    """Rows per chunk: as many as fit the budget, at least one, at most all."""
+    return min(total_rows, max(1, budget_bytes // max(1, row_bytes)))
+
+
+def _row_chunks(x: torch.Tensor, rows: int) -> Iterator[torch.Tensor]:
+    for start in range(0, x.shape[2], rows):
+        yield x.narrow(2, start, min(rows, x.shape[2] - start))
+
+
+def _pair(value) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+def _conv_output_size(x, weight, stride, padding, dilation) -> tuple[int, int]:
+    return tuple(
+        (size + 2 * pad - dil * (kernel - 1) - 1) // step + 1
+        for size, kernel, step, pad, dil in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)
+    )
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    """channels_last when ``x`` is laid out that way (the unsliced conv's output would be too)."""
+    if not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format
+
+
+def _hidden_width(module: nn.Module, x: torch.Tensor) -> int:
+    """The widest output among the module's matrices (its hidden width), or the input's width."""
+    return max((p.shape[0] for p in module.parameters() if p.ndim == 2), default=x.shape[-1])

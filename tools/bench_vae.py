@@ -1,0 +1,192 @@
+"""``python -m sdopt bench vae``: untiled against tiled VAE decode, each in a fresh process.
+
+For every size a seeded random latent is decoded by the SD1.5 VAE architecture with seeded random
+weights (diffusers' ``AutoencoderKL`` built from ``modelgen``'s config): once untiled, then through
+``optim.tiled_vae`` once per requested ``keep_intermediates`` setting (recomputed: least memory;
+kept: faster). Each decode runs in a new Python process, so its peak RSS (VmHWM from
+/proc/self/status) belongs to that decode alone. The parent compares the two images: PSNR of the
+tiled image against the untiled one, both mapped to [0, 1] as ComfyUI does ((x + 1) / 2), without
+the clamp, so saturated pixels still count.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import UserError
+from ..measure.profiler import format_mib
+from ..measure.report import markdown_table
+from .modelgen import SIZES, diffusers_vae_config
+
+SEED = 0
+UNTILED = "untiled"
+TILED = "tiled"
+KEEP = {"no": False, "yes": True, "auto": None}  # --keep-intermediates choices
+_PROC_STATUS = Path("/proc/self/status")
+
+
+@dataclass(frozen=True)
+class VAEBenchRow:
+    """One decode of a ``size`` x ``size`` image in a fresh process."""
+
+    size: int
+    mode: str
+    model: str
+    device: str
+    seconds: float
+    peak_rss_bytes: int  # the process's VmHWM: interpreter, libraries, weights and the decode
+    decode_rss_bytes: int  # VmHWM minus the RSS just before the decode: the decode's own growth
+    tile: int | None = None
+    tiles: int | None = None
+    passes: int | None = None
+    kept_intermediates: bool | None = None
+    oom_retries: int | None = None
+    psnr_vs_untiled_db: float | None = None
+    peak_vs_untiled: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _status_kib(field: str) -> int:
+    for line in _PROC_STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in {_PROC_STATUS}")
+
+
+def build_vae(model: str = "full", overrides: dict | None = None, seed: int = SEED):
+    """The diffusers ``AutoencoderKL`` of ``modelgen``'s ``model`` config (with ``overrides``), seeded weights."""
+    try:
+        from diffusers import AutoencoderKL
+    except ImportError:
+        raise UserError("bench vae builds the VAE with diffusers: pip install diffusers (or sdopt[diffusers])") from None
+    torch.manual_seed(seed)
+    return AutoencoderKL(**{**diffusers_vae_config(model), **(overrides or {})}).eval()
+
+
+def _latent(size: int, downscale: int, channels: int, seed: int) -> torch.Tensor:
+    return torch.randn(1, channels, size // downscale, size // downscale, generator=torch.Generator().manual_seed(seed))
+
+
+def decode_once(spec: dict) -> dict:
+    """One decode as ``spec`` says (run in the child process): timing, memory, tiling stats."""
+    from ..optim.tiled_vae import TiledVAEConfig, tiled_decode
+    from ..optim.precision import DTYPES
+
+    vae = build_vae(spec["model"], spec.get("overrides"), spec["seed"])
+    downscale = 2 ** (len(vae.config.block_out_channels) - 1)
+    z = _latent(spec["size"], downscale, vae.config.latent_channels, spec["seed"])
+    rss_before = _status_kib("VmRSS") * 1024
+    stats = None
+    started = time.perf_counter()
+    with torch.inference_mode():
+        if spec["tiled"]:
+            config = TiledVAEConfig(tile=spec["tile"], overlap=spec["overlap"], keep_intermediates=spec.get("keep"),
+                                    store_dtype=DTYPES[spec["store_dtype"]] if spec.get("store_dtype") else None,
+                                    budget_bytes=spec.get("budget_bytes"))
+            result = tiled_decode(vae, z, config)
+            image, stats = result.output, result.stats
+        else:
+            image = vae.decode(z).sample
+    seconds = time.perf_counter() - started
+    peak = _status_kib("VmHWM") * 1024
+    torch.save(image, spec["out"])
+    report = {"seconds": seconds, "peak_rss_bytes": peak, "decode_rss_bytes": peak - rss_before}
+    if stats is not None:
+        report.update(tile=stats.tile, tiles=stats.tiles, passes=stats.passes, kept_intermediates=stats.kept_intermediates,
+                      oom_retries=stats.oom_retries)
+    return report
+
+
+def _run_child(spec: dict) -> dict:
+    done = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {'tiled' if spec['tiled'] else 'untiled'} {spec['size']} px decode failed "
+                           f"(exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
+    """PSNR in dB of two decoder outputs in [-1, 1], as [0, 1] images without clamping (peak 1)."""
+    mse = ((image.double() - reference.double()) / 2).square().mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(1 / mse)
+
+
+def bench_vae(
+    sizes: list[int],
+    tile: int = 512,
+    overlap: int = 0,
+    keep_intermediates: list[str] = ("no", "yes"),
+    model: str = "full",
+    store_dtype: str | None = "fp16",
+    budget_mb: int | None = None,
+    seed: int = SEED,
+    overrides: dict | None = None,
+    progress: bool = True,
+) -> list[VAEBenchRow]:
+    """For each size an untiled decode, then one tiled decode per ``keep_intermediates`` setting
+    (``no``, ``yes``, ``auto``), each in a fresh process; rows in that order."""
+    from ..optim.tiled_vae import check_tile_inputs
+
+    if not _PROC_STATUS.exists():
+        raise UserError("bench vae reads peak RSS from /proc/self/status: it needs Linux")
+    if model not in SIZES:
+        raise UserError(f"--model {model!r}: choose one of {', '.join(SIZES)}")
+    problem = check_tile_inputs(tile, overlap)
+    if problem:
+        raise UserError(f"--{problem}")
+    unknown = [k for k in keep_intermediates if k not in KEEP]
+    if unknown:
+        raise UserError(f"--keep-intermediates {unknown[0]!r}: choose from {', '.join(KEEP)}")
+    for size in sizes:
+        if size < 64 or size % 64:
+            raise UserError(f"--sizes: {size} px must be a multiple of 64")
+    rows = []
+    runs = [(size, keep) for size in sizes for keep in (None, *keep_intermediates)]
+    with tempfile.TemporaryDirectory(prefix="sdopt-bench-vae-") as folder:
+        bar = tqdm(runs, desc="vae decode", unit="run", disable=not progress)
+        for size, keep in bar:
+            name = UNTILED if keep is None else f"{TILED}-keep-{keep}"
+            bar.set_postfix_str(f"{size} px {name}")
+            out = Path(folder) / f"{size}-{name}.pt"
+            spec = {"size": size, "tiled": keep is not None, "tile": tile, "overlap": overlap, "model": model,
+                    "seed": seed, "overrides": overrides, "keep": KEEP.get(keep), "store_dtype": store_dtype,
+                    "out": str(out), "budget_bytes": budget_mb * 2**20 if budget_mb else None}
+            row = VAEBenchRow(size=size, mode=TILED if keep is not None else UNTILED, model=model, device="cpu",
+                              **_run_child(spec))
+            if keep is None:
+                untiled, reference = row, torch.load(out)
+            else:
+                row = VAEBenchRow(**{**row.to_dict(), "psnr_vs_untiled_db": psnr(torch.load(out), reference),
+                                     "peak_vs_untiled": row.peak_rss_bytes / untiled.peak_rss_bytes})
+            out.unlink()
+            rows.append(row)
+    return rows
+
+
+def vae_table(rows: list[VAEBenchRow]) -> str:
+    headers = ["size", "mode", "tile", "tiles", "passes", "intermediates", "seconds", "peak RSS MiB", "decode growth MiB",
+               "peak vs untiled", "PSNR vs untiled dB"]
+    body = [
+        [f"{r.size}x{r.size}", r.mode, r.tile or "—", r.tiles or "—", r.passes or "—",
+         "—" if r.kept_intermediates is None else ("kept" if r.kept_intermediates else "recomputed"),
+         f"{r.seconds:.1f}", format_mib(r.peak_rss_bytes), format_mib(r.decode_rss_bytes),
+         "—" if r.peak_vs_untiled is None else f"{r.peak_vs_untiled:.0%}",
+         "—" if r.psnr_vs_untiled_db is None else f"{r.psnr_vs_untiled_db:.1f}"]
+        for r in rows
+    ]
+    return "\n".join(markdown_table(headers, body, right={2, 3, 4, 6, 7, 8, 9, 10}))
+
+
+if __name__ == "__main__":
+    print(json.dumps(decode_once(json.loads(sys.argv[1]))))
