@@ -1,4 +1,4 @@
-"""Command line: ``python -m sdopt {make-model,run,bench} ...``.
+"""Command line: ``python -m sdopt {make-model,run,serve,bench,cache} ...``.
 
 Problems with the user's input are raised as ``UserError`` and printed as one line
 (``sdopt: error: ...``) with exit status 2, never as a traceback.
