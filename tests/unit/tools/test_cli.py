@@ -40,3 +40,22 @@ def test_unknown_subcommand_is_argparse_usage(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["frobnicate"])
     assert exit_info.value.code == 2
+
+
+def test_cache_list_and_purge(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SDOPT_CACHE_DIR", str(tmp_path))
+    assert main(["cache", "list"]) == 0
+    assert f"no compiled artifacts in {tmp_path}" in capsys.readouterr().out
+    for key in ("aaaa-torch2-compile", "bbbb-torch2-trace"):
+        (tmp_path / key).mkdir()
+        (tmp_path / key / "artifacts.bin").write_bytes(b"x" * 2048)
+        (tmp_path / key / "meta.json").write_text('{"cold_compile_seconds": 61.5, "saved": "2026-11-23T08:00:00"}')
+    assert main(["cache", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "aaaa-torch2-compile" in listing and "61.5" in listing and "bbbb-torch2-trace" in listing
+    err = _one_line_error(capsys, ["cache", "purge", "cccc"])
+    assert "no entry 'cccc'" in err and "cache list" in err
+    assert main(["cache", "purge", "aaaa-torch2-compile"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bbbb-torch2-trace"]
+    assert main(["cache", "purge"]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out and not any(tmp_path.iterdir())

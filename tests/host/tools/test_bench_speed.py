@@ -1,0 +1,39 @@
+"""bench speed inside ComfyUI, on the mini checkpoint at 64 px: stock first as the reference, every
+requested rung measured in interleaved rounds, and the CLI's JSON and plot."""
+import json
+
+import pytest
+
+from sdopt.tools.bench_speed import bench_speed
+from sdopt.tools.cli import main
+
+
+@pytest.fixture(scope="module")
+def rows(comfy_host):
+    return bench_speed(comfy_host.host.path, str(comfy_host.checkpoint), size=64, steps=3, rounds=2,
+                       rungs=["trace", "graph"], progress=False)
+
+
+def test_stock_first_then_the_rungs_each_measured_every_round(rows):
+    assert [r.rung for r in rows] == ["stock", "trace", "graph"]
+    stock = rows[0]
+    assert stock.speedup_median == stock.speedup_min == stock.speedup_max == 1.0 and stock.max_pixel_diff == 0
+    for row in rows:
+        assert len(row.rounds_it_per_s) == 2 and row.steady_it_per_s > 0 and row.peak_memory_bytes > 0
+        assert row.sampler_s > 0 and row.decode_s > 0 and row.end_to_end_s == pytest.approx(row.sampler_s + row.decode_s)
+
+
+def test_rungs_say_what_ran(rows):
+    trace, graph = rows[1], rows[2]
+    assert "Compile(trace)" in trace.nodes and "SDOptCompile: trace: 1 input signature(s)" in trace.notes
+    assert "CUDA graphs need a CUDA device" in graph.notes
+
+
+def test_cli_rejects_unknown_rungs_and_writes_json_and_plot(comfy_host, tmp_path, capsys):
+    argv = ["bench", "speed", "--comfyui", str(comfy_host.host.path), "--model", str(comfy_host.checkpoint)]
+    assert main(argv + ["--rungs", "warp"]) == 2
+    assert "--rungs: unknown warp" in capsys.readouterr().err
+    out, plot = tmp_path / "speed.json", tmp_path / "speed.png"
+    assert main(argv + ["--size", "64", "--steps", "2", "--rounds", "1", "--rungs", "precision", "--json", str(out), "--plot", str(plot)]) == 0
+    assert [row["rung"] for row in json.loads(out.read_text())] == ["stock", "precision"]
+    assert plot.stat().st_size > 1000
