@@ -549,10 +549,11 @@ class _PerSignature:
         return list(self._decisions.values())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        key = signature(q, k, v, mask)
+        # a tuple of shapes, not the readable string: torch.compile traces this lookup on every call
+        key = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else (mask.shape, mask.dtype))
         decision = self._decisions.get(key)
         if decision is None:
-            decision = self._decisions[key] = self._decide(key, q, k, v, mask)
+            decision = self._decisions[key] = self._decide(signature(q, k, v, mask), q, k, v, mask)
             if self._on_decision is not None:
                 self._on_decision(decision)
         return self._function(decision.picked)(q, k, v, mask)
