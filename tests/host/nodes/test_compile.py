@@ -34,6 +34,7 @@ def close(out, reference):
 
 @pytest.mark.parametrize("mode,backend", [("compile", "inductor"), ("compile_regional", "inductor"), ("trace", "inductor")])
 def test_compiled_sampling_matches_stock_and_leaves_the_model_alone(comfy_host, mini, mode, backend):
+    torch._dynamo.reset()  # dynamo caches per code object: an earlier test's frames would be reused
     model, stock = mini
     patched = compiled(comfy_host, model, mode, backend)
     assert close(comfy_host.sample(patched), stock)
