@@ -3,7 +3,6 @@
 The node only configures the clone's fast path (``glue.FastPath``); compilation happens on the
 first sampling step, and the profiler report gives its count, time and guard-failure reasons.
 """
-from ..errors import UserError
 from ..optim.compile import BACKENDS, COMPILE_MODES, MODES, CompileConfig, unavailable_reason
 from . import glue
 
@@ -40,16 +39,9 @@ class SDOptCompile:
         config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         reason = unavailable_reason(config, model.load_device)
-        if reason and on_unavailable == "error":
-            raise UserError(f"mode/backend: {reason}; install it, pick trace, or set on_unavailable to fallback")
-        m, path_note = glue.non_dynamic_clone(model)
-        if reason:
-            glue.record_model(m, NODE, requested, "eager", f"{reason}; running eager")
-            return (m,)
-        fast_path = glue.fast_path_of(m)
-        fast_path = fast_path.with_configs(compile_config=config) if fast_path else glue.FastPath(config, None)
-        fast_path.requested[NODE] = requested
-        glue.install_fast_path(m, fast_path)
-        notes = [path_note, "compiles on the first step" if mode != "trace" else "traced per resolution; not frozen, since ComfyUI may patch weights in place"]
-        glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, notes)))
+        fix = "install it, pick trace, or set on_unavailable to fallback"
+        m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "mode/backend", fix, compile_config=config)
+        if path_note is not None:
+            how = "compiles on the first steps" if mode != "trace" else "traced per resolution; not frozen, since ComfyUI may patch weights in place"
+            glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, how])))
         return (m,)

@@ -5,7 +5,6 @@ graph captures the compiled code. Calls a graph cannot serve run eagerly, and th
 """
 import torch
 
-from ..errors import UserError
 from ..optim.cuda_graph import GraphConfig, graphs_unavailable_reason
 from . import glue
 
@@ -36,15 +35,8 @@ class SDOptCUDAGraph:
         config = GraphConfig(max_graphs=max_graphs)
         requested = f"max_graphs={max_graphs}, on_unavailable={on_unavailable}"
         reason = graphs_unavailable_reason(torch.device(model.load_device))
-        if reason and on_unavailable == "error":
-            raise UserError(f"on_unavailable: {reason}; set on_unavailable to fallback to run eager here")
-        m, path_note = glue.non_dynamic_clone(model)
-        if reason:
-            glue.record_model(m, NODE, requested, "eager", f"{reason}; passing the model through")
-            return (m,)
-        fast_path = glue.fast_path_of(m)
-        fast_path = fast_path.with_configs(graph_config=config) if fast_path else glue.FastPath(None, config)
-        fast_path.requested[NODE] = requested
-        glue.install_fast_path(m, fast_path)
-        glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", path_note or "captured on the first step of each input signature")
+        fix = "set on_unavailable to fallback to run eager here"
+        m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "on_unavailable", fix, graph_config=config)
+        if path_note is not None:
+            glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", path_note or "captured on the first step of each input signature")
         return (m,)

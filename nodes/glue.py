@@ -17,6 +17,7 @@ Every difference between ComfyUI versions is feature-detected here, never read f
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import time
 import types
@@ -430,9 +431,9 @@ class FastPath:
         key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS))
         if key in self.runners and self.runners[key][0] is unet:
             return self.runners[key][1:]
-        call = lambda module, *inputs: _unet_forward(options, module, *inputs)  # noqa: E731
+        call = functools.partial(_unet_forward, options)
         compiled = cache = None
-        fn = lambda *inputs: call(unet, *inputs)  # noqa: E731
+        fn = functools.partial(call, unet)
         if self.compile_config is not None:
             compiled = compile_forward(unet, call, self.compile_config)
             fn = compiled
@@ -513,3 +514,21 @@ def install_fast_path(model, fast_path: FastPath) -> None:
 
     # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open here
     set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "SAMPLER_SAMPLE": report_after_sampling})
+
+
+def fast_path_clone(model, node: str, requested: str, unavailable: str | None, on_unavailable: str, input_name: str, fix: str, **configs):
+    """(clone, note) for SDOptCompile/SDOptCUDAGraph: the clone's fast path gets ``configs``
+    (``compile_config=`` or ``graph_config=``). Where ``unavailable`` names a reason: with
+    ``on_unavailable="error"`` a UserError naming ``input_name`` and ``fix``, else the clone as it
+    is, recorded as eager, and a None note."""
+    if unavailable and on_unavailable == "error":
+        raise UserError(f"{input_name}: {unavailable}; {fix}")
+    m, path_note = non_dynamic_clone(model)
+    if unavailable:
+        record_model(m, node, requested, "eager", f"{unavailable}; running eager")
+        return m, None
+    current = fast_path_of(m)
+    fast_path = current.with_configs(**configs) if current else FastPath(configs.get("compile_config"), configs.get("graph_config"))
+    fast_path.requested[node] = requested
+    install_fast_path(m, fast_path)
+    return m, path_note
