@@ -2,6 +2,7 @@
 from .attention import SDOptAttention
 from .compile import SDOptCompile
 from .cuda_graph import SDOptCUDAGraph
+from .lowmem import SDOptLowMemory
 from .precision import SDOptPrecision
 from .profiler import SDOptProfiler
 from .report import SDOptProfileReport
@@ -19,6 +20,7 @@ _NODES = {
     "SDOptTiledVAE": (SDOptTiledVAE, "sdopt Tiled VAE"),
     "SDOptCompile": (SDOptCompile, "sdopt Compile"),
     "SDOptCUDAGraph": (SDOptCUDAGraph, "sdopt CUDA Graph"),
+    "SDOptLowMemory": (SDOptLowMemory, "sdopt Low Memory"),
 }
 
 NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}

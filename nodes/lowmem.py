@@ -1,0 +1,45 @@
+"""SDOptLowMemory (MODEL → MODEL): the same UNet output with less working memory per step.
+
+Delegates to ``optim.lowmem``: an APPLY_MODEL wrapper runs each call under ``low_memory`` (chunked
+GroupNorm, sliced convs and feed-forwards) and, with ``sequential_cfg``, cond and uncond one after
+the other; attention goes through sdopt Attention's ``sub_quadratic`` backend sized from the same budget.
+"""
+from ..optim.lowmem import LowMemConfig, run_low_memory
+from . import glue
+from .attention import SDOptAttention
+
+NODE = "SDOptLowMemory"
+
+
+class SDOptLowMemory:
+    DESCRIPTION = (
+        "Runs the diffusion model so that each operation stays within a working-memory budget: cond and uncond one "
+        "after the other, GroupNorm in chunks (statistics first), convolutions and feed-forwards over slices, and "
+        "sub-quadratic attention sized from the budget. The output equals the normal one to float rounding; use it "
+        "when activations, not weights, run out of memory at large resolutions."
+    )
+    CATEGORY = "sdopt"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
+            "budget_mb": ("INT", {"default": 256, "min": 1, "max": 1 << 20, "tooltip": "Working memory one operation may use, beyond its input and output."}),
+            "sequential_cfg": ("BOOLEAN", {"default": True, "tooltip": "Run cond and uncond one after the other instead of as one batch."}),
+            "chunk_ops": ("BOOLEAN", {"default": True, "tooltip": "Chunk GroupNorm and slice convolutions and feed-forwards over the budget."}),
+        }}
+
+    def patch(self, model, budget_mb, sequential_cfg, chunk_ops):
+        config = LowMemConfig(budget_mb << 20, sequential_cfg, chunk_ops, chunk_ops, chunk_ops)
+        (m,) = SDOptAttention().patch(model, "sub_quadratic", "fallback", 0, budget_mb)
+
+        def low_memory_call(executor, x, *args, **kwargs):
+            return run_low_memory(config, executor, x, *args, **kwargs)
+
+        glue.set_wrappers(m, NODE, {"APPLY_MODEL": low_memory_call})
+        parts = [f"budget {budget_mb} MiB", "sub_quadratic attention"] + (["sequential cfg"] if sequential_cfg else []) + (["chunked GroupNorm/conv/feed-forward"] if chunk_ops else [])
+        requested = f"budget_mb={budget_mb}, sequential_cfg={sequential_cfg}, chunk_ops={chunk_ops}"
+        glue.record_model(m, NODE, requested, ", ".join(parts), "attention set through sdopt Attention (its record is beside this one)")
+        return (m,)
