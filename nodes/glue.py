@@ -411,6 +411,7 @@ class FastPath:
         self.runners: dict[tuple, tuple] = {}
         self.eager_reasons: dict[str, int] = {}
         self.warm_start: bool | None = None
+        self.cold_compile_seconds: float | None = None
         self.cache_saved = None
         self.requested: dict[str, str] = {}
 
@@ -440,6 +441,7 @@ class FastPath:
             if self.compile_config.mode != "trace":
                 cache = ArtifactCache.for_module(unet, self.compile_config, self.cache_root)
                 self.warm_start = cache.load()
+                self.cold_compile_seconds = cache.cold_compile_seconds()
         graphed = None
         if self.graph_config is not None:
             graphed = GraphedFunction(fn, lambda: [*unet.parameters(), *unet.buffers()], self.graph_config)
@@ -504,7 +506,8 @@ def install_fast_path(model, fast_path: FastPath) -> None:
             compile_stats, graph_stats = fast_path.stats()
             eager = "; ".join(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items())
             if "SDOptCompile" in requested and fast_path.compile_config:
-                warm = {True: "warm start from sdopt's compile cache", False: "cold start (nothing cached yet)", None: ""}[fast_path.warm_start]
+                cold = f" (the cold compile took {fast_path.cold_compile_seconds:.1f} s)" if fast_path.cold_compile_seconds else ""
+                warm = {True: f"warm start from sdopt's compile cache{cold}", False: "cold start (nothing cached yet)", None: ""}[fast_path.warm_start]
                 note = "; ".join(filter(None, [warm, f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", eager]))
                 active = f"{fast_path.compile_config.settings()}: " + " | ".join(s.summary() for s in compile_stats)
                 record_in_run("SDOptCompile", requested["SDOptCompile"], active, note)
