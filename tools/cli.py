@@ -126,6 +126,12 @@ def _cache(args: argparse.Namespace) -> None:
     print("\n".join(markdown_table(["key (architecture-torch-settings)", "MiB", "cold compile s", "saved"], rows, right={1, 2})))
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from .plan import run_plan
+
+    run_plan(args)
+
+
 def _serve(args: argparse.Namespace) -> None:
     from .serve import run_server
 
@@ -216,6 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
     vae.add_argument("--seed", type=int, default=0)
     vae.add_argument("--json", type=Path, help="write the rows as JSON")
     vae.set_defaults(handler=_bench_vae)
+
+    plan = commands.add_parser(
+        "plan", help="predict each stage's peak memory (fake tensors, nothing runs) and the settings that fit a budget"
+    )
+    plan.add_argument("--model", default="mini", help="mini, full or an SD1.5 .safetensors file (its architecture)")
+    plan.add_argument("--width", type=int, default=512, help="image width in pixels, a multiple of 64")
+    plan.add_argument("--height", type=int, default=512, help="image height in pixels, a multiple of 64")
+    plan.add_argument("--budget", default="8GiB", help="memory budget, e.g. 8GiB, 2048MiB, 512MB")
+    plan.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="weights and activations")
+    plan.add_argument("--workspace", choices=("cpu", "cuda", "none"), default="cpu", help="whose hidden kernel temporaries to add")
+    plan.add_argument("--no-search", action="store_true", help="skip the search for the largest square that fits")
+    plan.add_argument("--json", type=Path, help="write the plan as JSON")
+    plan.set_defaults(handler=_plan)
 
     cache = commands.add_parser("cache", help="list or purge the compiled-code cache of sdopt Compile")
     cache.add_argument("action", choices=("list", "purge"))

@@ -1,0 +1,70 @@
+"""The VAE bench: a 2048x2048 decode untiled and tiled, each in a fresh process, on a narrow VAE with
+SD1.5's layout (the full VAE at 2048 takes minutes; ``python -m sdopt bench vae`` measures it).
+
+The memory claim is checked on the decode's own growth of the peak RSS (the peak minus the RSS just
+before decoding): with 4-8 channels the interpreter and libraries would otherwise dominate.
+"""
+import json
+import math
+
+import pytest
+import torch
+
+from sdopt.errors import UserError
+from sdopt.tools.bench_vae import TILED, UNTILED, VAEBenchRow, bench_vae, psnr, vae_table
+
+# 4/8 channels, one residual block per level (plus the decoder's extra one), no mid-block
+# attention (65536 latent tokens at 2048 px would dominate the run).
+NARROW = dict(block_out_channels=[4, 8, 8, 8], layers_per_block=1, norm_num_groups=4, mid_block_add_attention=False)
+# Tiled 512 px with recomputed intermediates against untiled, decode growth (measured: 150 of
+# 770 MiB, 19.5%; the full SD VAE: 21% of the whole process's peak, see docs/benchmarks.md).
+MAX_PEAK_RATIO = 0.25
+MIN_PSNR_DB = 40
+
+
+@pytest.fixture(scope="module")
+def rows():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("the memory figures assume PyTorch's oneDNN CPU convolutions")
+    return bench_vae([2048], tile=512, keep_intermediates=["no"], overrides=NARROW, progress=False)
+
+
+def test_tiled_2048_decode_needs_a_quarter_of_the_untiled_memory(rows):
+    untiled, tiled = rows
+    assert (untiled.mode, tiled.mode) == (UNTILED, TILED)
+    assert tiled.decode_rss_bytes <= MAX_PEAK_RATIO * untiled.decode_rss_bytes, vae_table(rows)
+    assert tiled.peak_rss_bytes < untiled.peak_rss_bytes
+
+
+def test_rows_describe_the_runs(rows):
+    untiled, tiled = rows
+    assert untiled.size == tiled.size == 2048 and untiled.model == "full" and untiled.device == "cpu"
+    assert untiled.tile is None and untiled.psnr_vs_untiled_db is None
+    assert (tiled.tile, tiled.tiles, tiled.kept_intermediates, tiled.oom_retries) == (512, 16, False, 0)
+    assert tiled.psnr_vs_untiled_db >= MIN_PSNR_DB
+    assert tiled.peak_vs_untiled == pytest.approx(tiled.peak_rss_bytes / untiled.peak_rss_bytes)
+    assert all(r.seconds > 0 and 0 < r.decode_rss_bytes < r.peak_rss_bytes for r in rows)
+
+
+def test_rows_round_trip_through_json_and_fill_the_table(rows):
+    assert [VAEBenchRow(**data) for data in json.loads(json.dumps([r.to_dict() for r in rows]))] == rows
+    lines = vae_table(rows).splitlines()
+    assert lines[0].startswith("| size | mode | tile |") and len(lines) == 2 + len(rows)
+    assert lines[3].startswith("| 2048x2048 | tiled | 512 | 16 |") and "| recomputed |" in lines[3]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"sizes": [500]}, "--sizes: 500 px must be a multiple of 64"),
+    ({"sizes": [512], "tile": 100}, "--tile: 100 px is not a multiple of 8"),
+    ({"sizes": [512], "keep_intermediates": ["maybe"]}, "--keep-intermediates 'maybe'"),
+    ({"sizes": [512], "model": "huge"}, "--model 'huge'"),
+])
+def test_bad_arguments_are_user_errors(kwargs, message):
+    with pytest.raises(UserError, match=f"^{message}"):
+        bench_vae(progress=False, **kwargs)
+
+
+def test_psnr_of_images_in_minus_one_to_one():
+    image = torch.zeros(1, 3, 4, 4)
+    assert psnr(image, image) == math.inf
+    assert psnr(image + 0.02, image) == pytest.approx(40.0)  # 0.01 on the [0, 1] scale

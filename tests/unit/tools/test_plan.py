@@ -1,0 +1,75 @@
+"""``python -m sdopt plan``: input errors as one line, a plan for mini at 512, and the predicted VAE
+decode peak at 512 against the peak RSS growth of a real decode in a fresh process."""
+import json
+
+import pytest
+import torch
+
+from sdopt.tools.cli import main
+
+diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+from sdopt.optim.memory_plan import fake_module, fake_tensor, fake_tensor_mode, predict_peak  # noqa: E402
+from sdopt.tools.plan import VAE_DECODE, architecture, build_modules, measure_stage, stage_call  # noqa: E402
+
+# The planner's target: predicted peak within 20% of the measured peak RSS growth (CPU, fp32).
+PREDICTION_TOLERANCE = 0.20
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sdopt: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("budget", ["lots", "8 parsecs", "0GiB"])
+def test_bad_budget_names_the_option(capsys, budget):
+    assert "--budget" in _one_line_error(capsys, ["plan", "--budget", budget])
+
+
+def test_bad_size_names_the_option(capsys):
+    assert "--width: 500 px" in _one_line_error(capsys, ["plan", "--width", "500"])
+
+
+def test_missing_checkpoint_names_the_option(capsys, tmp_path):
+    assert "--model" in _one_line_error(capsys, ["plan", "--model", str(tmp_path / "none.safetensors")])
+
+
+def test_checkpoint_architecture_from_its_keys(tmp_path):
+    from safetensors.torch import save_file
+
+    from sdopt.tools.modelgen import UNET_PREFIX, checkpoint_specs
+
+    unet = {k: torch.zeros(spec.shape, dtype=torch.float16).expand(spec.shape).contiguous()
+            for k, spec in checkpoint_specs("mini").items() if k.startswith(UNET_PREFIX)}
+    save_file(unet, tmp_path / "mini.safetensors")
+    assert architecture(str(tmp_path / "mini.safetensors")) == "mini"
+
+
+def test_cli_prints_a_plan_for_mini_at_512(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "mini", "--width", "512", "--height", "512", "--budget", "4GiB", "--no-search",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| UNet step | sdpa, CFG batch 2 |" in printed and "plan that fits 4,096 MiB" in printed
+    plan = json.loads(out.read_text())
+    assert plan["fits"] and plan["offload"] == "none"
+    assert [row["stage"] for row in plan["plan"]] == ["text encode", "UNet step", "VAE decode", "VAE encode"]
+    for row in plan["plan"]:
+        assert row["total_bytes"] <= 4 * 2**30
+        assert row["total_bytes"] == (sum(plan["weights_bytes"].values()) + row["input_bytes"] + row["peak_bytes"])
+    # A UNet step with CFG at 512 holds its batch-2 activations: tens of MiB at least, and not GiBs.
+    unet = plan["stock"][1]
+    assert 32 * 2**20 < unet["peak_bytes"] < 2 * 2**30
+
+
+@pytest.mark.skipif(not __import__("pathlib").Path("/proc/self/clear_refs").exists(), reason="peak RSS is read from /proc")
+def test_vae_decode_prediction_matches_measured_rss_at_512():
+    mode = fake_tensor_mode()
+    modules = {"vae": fake_module(build_modules("full", names=("vae",))["vae"], mode)}
+    fn, inputs = stage_call(VAE_DECODE, modules, 512, 512, torch.float32, lambda shape, dtype: fake_tensor(mode, shape, dtype))
+    predicted = predict_peak(fn, *inputs, mode=mode).peak_bytes
+    measured = measure_stage("full", VAE_DECODE, 512, 512)
+    assert abs(predicted - measured) <= PREDICTION_TOLERANCE * measured, (predicted / 2**20, measured / 2**20)

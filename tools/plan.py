@@ -1,0 +1,413 @@
+"""``python -m sdopt plan``: predicted peak memory of each SD1.5 stage and the settings that fit a budget.
+
+The text encoder, UNet and VAE are built from ``modelgen``'s architecture (diffusers'
+``UNet2DConditionModel`` and ``AutoencoderKL``, transformers' ``CLIPTextModel``) on the meta device
+and given fake weights, so nothing is allocated and nothing runs: ``optim.memory_plan`` traces each
+stage (text encode, one UNet step with CFG, VAE decode, VAE encode) at the requested size under
+each candidate setting, fastest first. A stage needs its weights resident (all three models, or
+with ``model`` offload only its own), its inputs, and its working peak.
+
+``measure_stage`` runs the same stage for real (random weights) in a fresh process and returns the
+growth of its peak RSS (VmHWM after the stage minus the RSS before it, the high-water mark reset
+through /proc/self/clear_refs once the model is built): what the prediction is checked against.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+from ..errors import UserError
+from ..measure.report import markdown_table
+from ..optim.lowmem import LowMemConfig
+from ..optim.memory_plan import (
+    MemoryPlanConfig,
+    fake_module,
+    fake_tensor,
+    fake_tensor_mode,
+    largest_fitting,
+    module_bytes,
+    parse_bytes,
+    predict_peak,
+)
+from ..optim.precision import DTYPES
+from .modelgen import (
+    UNET_PREFIX,
+    checkpoint_specs,
+    diffusers_unet_config,
+    diffusers_vae_config,
+    transformers_clip_text_config,
+)
+
+MODELS = ("mini", "full")
+TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE = "text encode", "UNet step", "VAE decode", "VAE encode"
+STAGES = (TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE)
+OFFLOADS = ("none", "model")  # none: all three models resident; model: only the running stage's
+PROMPT_TOKENS = 77
+SEARCH_LIMIT = 8192  # largest square side searched, in pixels
+_MiB = 2**20
+_PROC_STATUS = Path("/proc/self/status")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run a stage: a name for the table, the predictor's config and, for the VAE, a tile."""
+
+    name: str
+    config: MemoryPlanConfig = MemoryPlanConfig()
+    tile: int | None = None  # VAE tile side in image pixels; None = untiled
+
+
+def _lowmem(budget_mib: int, attention: str = "sdpa") -> Setting:
+    budget = budget_mib * _MiB
+    return Setting(f"low memory {budget_mib} MiB, {attention}",
+                   MemoryPlanConfig(attention=attention, attention_budget_bytes=budget,
+                                    low_memory=LowMemConfig(budget_bytes=budget)))
+
+
+# Fastest first. sdpa's own kernels (flash on CPU and CUDA) already keep attention linear in the
+# tokens; sub_quadratic is for hosts whose sdpa falls back to the math kernel.
+UNET_SETTINGS = (
+    Setting("sdpa, CFG batch 2"),
+    Setting("sdpa, sequential CFG", MemoryPlanConfig(low_memory=LowMemConfig(
+        budget_bytes=2**62, chunk_groupnorm=False, slice_convs=False, slice_feedforward=False))),
+    _lowmem(256),
+    _lowmem(64),
+    _lowmem(64, "sub_quadratic"),
+)
+VAE_SETTINGS = (
+    Setting("untiled, sdpa"),
+    Setting("tiled 512 px", tile=512),
+    Setting("tiled 256 px", tile=256),
+)
+# Tracing a tiled VAE costs about 2 s per tile on this CPU; above this many tiles the peak is
+# extrapolated linearly in the image area from the traces of 1x1 and 2x2 tiles (what grows with the
+# area is what the tiler keeps between passes; measured against direct traces at 2048 px, the
+# extrapolation over-states the peak by 16% for 512 px tiles and 24% for 256 px tiles).
+_TILES_TRACED = 4
+TEXT_SETTINGS = (Setting("sdpa"),)
+# The low-memory settings: the table's second column and what the largest-size search runs with.
+SEARCH_SETTINGS = {TEXT_ENCODE: TEXT_SETTINGS[0], UNET_STEP: UNET_SETTINGS[3], VAE_DECODE: VAE_SETTINGS[-1],
+                   VAE_ENCODE: VAE_SETTINGS[-1]}
+SETTINGS = {TEXT_ENCODE: TEXT_SETTINGS, UNET_STEP: UNET_SETTINGS, VAE_DECODE: VAE_SETTINGS, VAE_ENCODE: VAE_SETTINGS}
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    stage: str
+    setting: str
+    size: int
+    peak_bytes: int  # working memory: what the stage allocates at most, its output included
+    input_bytes: int
+    weight_bytes: int  # the stage's own model
+    peak_op: str
+    output_bytes: int = 0
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Plan:
+    model: str
+    width: int
+    height: int
+    dtype: str
+    budget_bytes: int
+    weights: dict[str, int]
+    stock: list[StagePrediction] = field(default_factory=list)
+    low_memory: list[StagePrediction] = field(default_factory=list)
+    chosen: list[StagePrediction] = field(default_factory=list)
+    offload: str | None = None
+    searched: bool = False
+    largest_square: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "width": self.width, "height": self.height, "dtype": self.dtype,
+            "budget_bytes": self.budget_bytes, "weights_bytes": self.weights, "offload": self.offload,
+            "fits": self.offload is not None,
+            "largest_square": self.largest_square if self.searched else "not searched",
+            "stock": [p.to_dict() for p in self.stock], "low_memory": [p.to_dict() for p in self.low_memory],
+            "plan": [{**p.to_dict(), "total_bytes": self.total(p, self.offload)} for p in self.chosen] if self.offload else [],
+            "notes": self.notes,
+        }
+
+    def total(self, p: StagePrediction, offload: str) -> int:
+        return _resident(self.weights, p.stage, offload) + p.input_bytes + p.peak_bytes
+
+
+def _all_weights(weights: dict[str, int]) -> int:
+    return weights["text_encoder"] + weights["unet"] + weights["vae"]
+
+
+_STAGE_MODEL = {TEXT_ENCODE: "text_encoder", UNET_STEP: "unet", VAE_DECODE: "vae", VAE_ENCODE: "vae"}
+
+
+def _resident(weights: dict[str, int], stage: str, offload: str) -> int:
+    return weights[_STAGE_MODEL[stage]] if offload == "model" else _all_weights(weights)
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+
+def architecture(model: str) -> str:
+    """``mini`` or ``full``: the name itself, or the architecture whose keys and shapes a checkpoint file holds."""
+    if model in MODELS:
+        return model
+    path = Path(model)
+    if not path.is_file():
+        raise UserError(f"--model {model!r}: not one of {', '.join(MODELS)} and no such file")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as handle:
+            shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    except Exception as error:  # safetensors raises its own types for every kind of bad file
+        raise UserError(f"--model {model!r}: not a readable .safetensors checkpoint ({error})") from None
+    for size in MODELS:
+        unet = {k: spec.shape for k, spec in checkpoint_specs(size).items() if k.startswith(UNET_PREFIX)}
+        if all(shapes.get(k) == tuple(shape) for k, shape in unet.items()):
+            return size
+    raise UserError(f"--model {model!r}: its UNet matches neither the mini nor the full SD1.5 architecture")
+
+
+def _diffusers():
+    try:
+        import diffusers
+        import transformers
+    except ImportError:
+        raise UserError("plan builds the models with diffusers and transformers: pip install diffusers transformers") from None
+    return diffusers, transformers
+
+
+def build_modules(size: str, device: str | torch.device = "meta",
+                  names: tuple[str, ...] = ("text_encoder", "unet", "vae")) -> dict[str, torch.nn.Module]:
+    """The text encoder, UNet and VAE of ``size`` (``mini`` or ``full``), those in ``names``, on
+    ``device``: on meta, the architecture only; elsewhere with diffusers'/transformers' random
+    initialization."""
+    diffusers, transformers = _diffusers()
+    builders = {
+        "text_encoder": lambda: transformers.CLIPTextModel(transformers.CLIPTextConfig(**transformers_clip_text_config(size))),
+        "unet": lambda: diffusers.UNet2DConditionModel(**diffusers_unet_config(size)),
+        "vae": lambda: diffusers.AutoencoderKL(**diffusers_vae_config(size)),
+    }
+    with torch.device(device):
+        return {name: builders[name]().eval() for name in names}
+
+
+# --- stages ----------------------------------------------------------------------------------------
+
+
+def stage_call(stage: str, modules: dict, width: int, height: int, dtype: torch.dtype, make, setting: Setting = Setting("")):
+    """(function, input tensors) of one stage at ``width`` x ``height``; ``make(shape, dtype)`` makes a tensor."""
+    from ..optim.tiled_vae import TiledVAEConfig, tiled_decode, tiled_encode
+
+    vae = modules["vae"]
+    down = 2 ** (len(vae.config.block_out_channels) - 1)
+    latent = (vae.config.latent_channels, height // down, width // down)
+    # Kept values in the compute dtype: the fp16 store checks each tile for overflow with .item(),
+    # which fake tensors cannot answer; this over-states what the default fp16 store keeps.
+    tiling = TiledVAEConfig(tile=setting.tile, budget_bytes=2**62, store_dtype=None) if setting.tile else None
+    if stage == TEXT_ENCODE:
+        text = modules["text_encoder"]
+        return (lambda ids: text(ids).last_hidden_state), (make((1, PROMPT_TOKENS), torch.long),)
+    if stage == UNET_STEP:
+        unet = modules["unet"]
+        context = unet.config.cross_attention_dim
+        return (lambda x, t, c: unet(x, t, encoder_hidden_states=c).sample), (
+            make((2, *latent), dtype), make((2,), dtype), make((2, PROMPT_TOKENS, context), dtype))
+    if stage == VAE_DECODE:
+        if tiling:
+            return (lambda z: tiled_decode(vae, z, tiling).output), (make((1, *latent), dtype),)
+        return (lambda z: vae.decode(z).sample), (make((1, *latent), dtype),)
+    if tiling:
+        return (lambda x: tiled_encode(vae, x, tiling).output), (make((1, 3, height, width), dtype),)
+    return (lambda x: vae.encode(x).latent_dist.mode()), (make((1, 3, height, width), dtype),)
+
+
+class Planner:
+    """Fake-weight models of one architecture and the stage predictions made with them (cached)."""
+
+    def __init__(self, size: str, dtype: str = "fp32", workspace: str = "cpu"):
+        self.size, self.dtype_name, self.dtype, self.workspace = size, dtype, DTYPES[dtype], workspace
+        self.mode = fake_tensor_mode()
+        self.modules = {name: fake_module(m, self.mode, "cpu", self.dtype) for name, m in build_modules(size).items()}
+        self.weights = {name: module_bytes(m) for name, m in self.modules.items()}
+        self._cache: dict[tuple, StagePrediction] = {}
+
+    def _make(self, shape, dtype):
+        return fake_tensor(self.mode, shape, dtype)
+
+    def predict(self, stage: str, setting: Setting, width: int, height: int) -> StagePrediction:
+        if setting.tile:
+            try:
+                return self._predict_tiled(stage, setting, width, height)
+            except (DataDependentOutputException, DynamicOutputShapeException):
+                return self._tile_model(stage, setting, width, height)
+        return self._trace(stage, setting, width, height)
+
+    def _tile_model(self, stage: str, setting: Setting, width: int, height: int) -> StagePrediction:
+        """The tiler branches on tensor values, which fake tensors cannot answer: one tile's untiled
+        peak plus the whole output, which leaves out what the tiler keeps between passes."""
+        tile = self._trace(stage, VAE_SETTINGS[0], min(width, setting.tile), min(height, setting.tile))
+        fn, inputs = stage_call(stage, self.modules, width, height, self.dtype, self._make)
+        whole = self._trace(stage, VAE_SETTINGS[0], 64, 64).output_bytes * (width // 64) * (height // 64)
+        return StagePrediction(stage, setting.name, max(width, height), tile.peak_bytes + whole, _bytes(inputs),
+                               tile.weight_bytes, tile.peak_op, output_bytes=whole,
+                               note="modelled: one tile's peak + the output (the tiler did not run on fake tensors)")
+
+    def _predict_tiled(self, stage: str, setting: Setting, width: int, height: int) -> StagePrediction:
+        tiles = (width / setting.tile) * (height / setting.tile)
+        if tiles > _TILES_TRACED:
+            one, four = (self._trace(stage, setting, setting.tile * n, setting.tile * n) for n in (1, 2))
+            peak = one.peak_bytes + (four.peak_bytes - one.peak_bytes) / 3 * (tiles - 1)
+            fn, inputs = stage_call(stage, self.modules, width, height, self.dtype, self._make)
+            return StagePrediction(stage, setting.name, max(width, height), int(peak), _bytes(inputs), one.weight_bytes,
+                                   four.peak_op, output_bytes=one.output_bytes * int(tiles),
+                                   note="extrapolated from 1x1 and 2x2 tiles")
+        return self._trace(stage, setting, width, height)
+
+    def _trace(self, stage: str, setting: Setting, width: int, height: int) -> StagePrediction:
+        key = (stage, setting, width, height)
+        if key not in self._cache:
+            config = MemoryPlanConfig(setting.config.attention, setting.config.attention_budget_bytes,
+                                      setting.config.low_memory, self.workspace)
+            fn, inputs = stage_call(stage, self.modules, width, height, self.dtype, self._make, setting)
+            estimate = predict_peak(fn, *inputs, config=config, mode=self.mode)
+            self._cache[key] = StagePrediction(
+                stage, setting.name, max(width, height), estimate.peak_bytes,
+                _bytes(inputs), self.weights[_STAGE_MODEL[stage]], estimate.peak_op, output_bytes=estimate.output_bytes)
+        return self._cache[key]
+
+    def first_fitting(self, stage: str, width: int, height: int, budget: int, offload: str) -> StagePrediction | None:
+        for setting in SETTINGS[stage]:
+            p = self.predict(stage, setting, width, height)
+            if _resident(self.weights, stage, offload) + p.input_bytes + p.peak_bytes <= budget:
+                return p
+        return None
+
+    def fits_with_search_settings(self, side: int, budget: int) -> bool:
+        return all(_resident(self.weights, stage, OFFLOADS[-1]) + p.input_bytes + p.peak_bytes <= budget
+                   for stage in STAGES for p in [self.predict(stage, SEARCH_SETTINGS[stage], side, side)])
+
+    def fits(self, width: int, height: int, budget: int, offload: str) -> list[StagePrediction] | None:
+        chosen = []
+        for stage in STAGES:
+            p = self.first_fitting(stage, width, height, budget, offload)
+            if p is None:
+                return None
+            chosen.append(p)
+        return chosen
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str = "fp32", workspace: str = "cpu",
+              search: bool = True) -> Plan:
+    """Predictions for every stage (stock and low-memory settings), the fastest settings that fit the
+    budget (without offload if possible) and, with ``search``, the largest square side (multiple of
+    64) that fits with ``SEARCH_SETTINGS`` and model offload."""
+    for name, value in (("--width", width), ("--height", height)):
+        if value < 64 or value % 64:
+            raise UserError(f"{name}: {value} px must be a positive multiple of 64")
+    size = architecture(model)
+    planner = Planner(size, dtype, workspace)
+    plan = Plan(model, width, height, dtype, budget_bytes, planner.weights)
+    plan.stock = [planner.predict(stage, SETTINGS[stage][0], width, height) for stage in STAGES]
+    plan.low_memory = [planner.predict(stage, SEARCH_SETTINGS[stage], width, height) for stage in STAGES]
+    for offload in OFFLOADS:
+        chosen = planner.fits(width, height, budget_bytes, offload)
+        if chosen:
+            plan.chosen, plan.offload = chosen, offload
+            break
+    if search:
+        plan.searched = True
+        plan.largest_square = largest_fitting(lambda side: planner.fits_with_search_settings(side, budget_bytes), high=SEARCH_LIMIT)
+    for p in dict.fromkeys(p for p in [*plan.stock, *plan.low_memory, *plan.chosen] if p.note):
+        plan.notes.append(f"{p.stage}, {p.setting}: {p.note}")
+    plan.notes.append(f"{size} SD1.5 architecture, {dtype}, kernel workspaces modelled for {workspace}; "
+                      "working peaks exclude weights and inputs, totals add them")
+    return plan
+
+
+def run_plan(args) -> None:
+    """The ``plan`` command: print the tables, write the JSON with ``--json``."""
+    budget = parse_bytes(args.budget, "--budget")
+    plan = make_plan(args.model, args.width, args.height, budget, dtype=args.dtype, workspace=args.workspace,
+                     search=not args.no_search)
+    print(plan_table(plan))
+    if args.json:
+        args.json.write_text(json.dumps(plan.to_dict(), indent=2))
+        print(f"wrote {args.json}")
+
+
+def plan_table(plan: Plan) -> str:
+    mib = lambda b: f"{b / _MiB:,.0f}"
+    lines = [f"{plan.model} at {plan.width}x{plan.height} ({plan.dtype}), budget {mib(plan.budget_bytes)} MiB; weights MiB: "
+             + ", ".join(f"{k} {mib(v)}" for k, v in plan.weights.items()), ""]
+    rows = [[s.stage, s.setting, mib(s.peak_bytes), l.setting, mib(l.peak_bytes)] for s, l in zip(plan.stock, plan.low_memory)]
+    lines += markdown_table(["stage", "stock", "working peak MiB", "low memory", "working peak MiB"], rows, right={2, 4})
+    lines.append("")
+    if plan.offload:
+        rows = [[p.stage, p.setting, plan.offload, mib(p.peak_bytes), mib(plan.total(p, plan.offload))] for p in plan.chosen]
+        lines.append(f"plan that fits {mib(plan.budget_bytes)} MiB:")
+        lines += markdown_table(["stage", "settings", "offload", "working peak MiB", "total MiB (weights + inputs + peak)"],
+                                rows, right={3, 4})
+    else:
+        lines.append(f"nothing fits {mib(plan.budget_bytes)} MiB at {plan.width}x{plan.height}, even with the low-memory settings and model offload")
+    if plan.searched:
+        side = plan.largest_square
+        lines.append("")
+        lines.append(f"largest square that fits (low memory 64 MiB UNet, 256 px VAE tiles, model offload): {f'{side}x{side}' if side else 'none'}")
+    lines += [""] + [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+# --- measurement -----------------------------------------------------------------------------------
+
+
+def _status_bytes(field_name: str) -> int:
+    for line in _PROC_STATUS.read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field_name} in {_PROC_STATUS}")
+
+
+def _measure_here(spec: dict) -> dict:
+    """One real stage (random weights, stock settings) in this process: the growth of peak RSS while it runs."""
+    torch.manual_seed(0)
+    # The VAE's config gives the latent shape to every stage; nothing else is built that the stage does not run.
+    modules = build_modules(spec["model"], "cpu", tuple({_STAGE_MODEL[spec["stage"]], "vae"}))
+    fn, inputs = stage_call(spec["stage"], modules, spec["width"], spec["height"], torch.float32,
+                            lambda shape, dtype: torch.randn(shape) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype))
+    # The high-water mark of building the models is not the stage's: reset it.
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    with torch.inference_mode():
+        fn(*inputs)
+    return {"measured_bytes": _status_bytes("VmHWM") - before}
+
+
+def measure_stage(model: str, stage: str, width: int, height: int) -> int:
+    """Peak RSS growth in bytes of one real run of ``stage`` with stock settings in a fresh process (Linux only)."""
+    if not _PROC_STATUS.exists():
+        raise UserError("measuring reads /proc/self/status: it needs Linux")
+    spec = {"model": architecture(model), "stage": stage, "width": width, "height": height}
+    done = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring {stage} at {width}x{height} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["measured_bytes"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_measure_here(json.loads(sys.argv[1]))))
