@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -137,8 +137,10 @@ class TilingStats:
         text += "kept intermediates" if self.kept_intermediates else "recomputed intermediates"
         if self.oom_retries:
             tried = " → ".join(str(t) for t in self.tiles_tried)
-            return text + f", {self.oom_retries} OOM retries (tile {tried} px)"
-        return text + ", 0 OOM retries"
+            text += f", {self.oom_retries} OOM retries (tile {tried} px)"
+        else:
+            text += ", 0 OOM retries"
+        return f"{text}; {self.reason}" if self.reason else text
 
 
 @dataclass(frozen=True)
@@ -312,7 +314,7 @@ class _Value:
     scale: int  # pixels of this value per latent pixel
     index: int
     keep: bool = False  # kept between passes: always for the residual stream
-    keep_if_fast: bool = False  # kept only when intermediates are kept
+    intermediate: bool = False  # a residual block's inner activation: kept only when intermediates are
 
     @property
     def channels(self) -> int:
@@ -326,13 +328,13 @@ class _Graph:
         self.values: list[_Value] = []
         self.input = self._add(_Input(in_channels), (), in_scale, keep=True)
 
-    def _add(self, op, inputs, scale, keep=False, keep_if_fast=False) -> _Value:
-        value = _Value(op, tuple(inputs), scale, len(self.values), keep, keep_if_fast)
+    def _add(self, op, inputs, scale, keep=False, intermediate=False) -> _Value:
+        value = _Value(op, tuple(inputs), scale, len(self.values), keep, intermediate)
         self.values.append(value)
         return value
 
-    def conv(self, module, x: _Value, keep_if_fast=False) -> _Value:
-        return self._add(_Conv(module), (x,), x.scale, keep_if_fast=keep_if_fast)
+    def conv(self, module, x: _Value, intermediate=False) -> _Value:
+        return self._add(_Conv(module), (x,), x.scale, intermediate=intermediate)
 
     def downsample(self, module, x: _Value) -> _Value:
         return self._add(_Downsample(module), (x,), x.scale // 2)
@@ -359,11 +361,11 @@ class _Graph:
 
     def resnet(self, block, x: _Value, activation, shortcut, divide_by=1.0) -> _Value:
         h = self.norm_act(block.norm1, activation, x)
-        h = self.conv(block.conv1, h, keep_if_fast=True)
+        h = self.conv(block.conv1, h, intermediate=True)
         h = self.norm_act(block.norm2, activation, h)
         h = self.conv(block.conv2, h)
         if shortcut is not None:
-            x = self.conv(shortcut, x, keep_if_fast=True)
+            x = self.conv(shortcut, x, intermediate=True)
         elif x.channels != h.channels:
             raise UnsupportedVAE("a residual block that changes channels without a shortcut convolution")
         return self.add(x, h, divide_by)
@@ -607,7 +609,7 @@ class _Grid:
 def _schedule(graph: _Graph, keep_intermediates: bool) -> list:
     """Passes and whole-tensor steps in order: each GroupNorm input gets its statistics in the first
     pass that can compute it; kept values are computed as early as their GroupNorms allow."""
-    kept = {v for v in graph.values if v.keep or (keep_intermediates and v.keep_if_fast)}
+    kept = {v for v in graph.values if v.keep or (keep_intermediates and v.intermediate)}
     need_stats = {v.inputs[0] for v in graph.values if isinstance(v.op, _NormAct)}
     done, stats_known, steps = {graph.input}, set(), []
     if graph.input in need_stats:
@@ -748,7 +750,7 @@ class _Run:
         lag = min(1.0, (cols + 1) / (rows * cols))
         probes = {0, (rows // 2) * cols + cols // 2}
         full = lambda v: self._bytes(v, self._full(v), self.store_dtype)
-        alive, peak = {self.graph.input}, 0
+        alive, peak = set(), 0  # the input is the caller's, resident already
         for index, step in enumerate(self.steps):
             leaving = {v for v in alive if self.last_step.get(v, -1) <= index}
             staying = sum(full(v) for v in alive - leaving)
@@ -783,7 +785,7 @@ class _Run:
     # --- execution ---
 
     def execute(self, x: torch.Tensor, progress: Callable[[int, int], None] | None) -> torch.Tensor:
-        stores = {self.graph.input: self._split(x, self.graph.input)}
+        stores = {self.graph.input: x}  # the caller's input is read in place, never copied
         self.output = None
         total, done = self.passes * len(self.grid), 0
         for index, step in enumerate(self.steps):
@@ -796,7 +798,8 @@ class _Run:
                 for tile, need in enumerate(regions):
                     self._tile(step, tile, need, stores, accumulators)
                     for v, core in release.get(tile, ()):
-                        stores[v].pop(core, None)
+                        if isinstance(stores[v], dict):
+                            stores[v].pop(core, None)
                     done += 1
                     if progress is not None:
                         progress(done, total)
@@ -831,7 +834,9 @@ class _Run:
         low, high = torch.aminmax(compact)
         return compact if math.isfinite(low.item()) and math.isfinite(high.item()) else x.clone()
 
-    def _gather(self, cores: dict[int, torch.Tensor], v: _Value, r: Region) -> torch.Tensor:
+    def _gather(self, cores: dict[int, torch.Tensor] | torch.Tensor, v: _Value, r: Region) -> torch.Tensor:
+        if isinstance(cores, torch.Tensor):
+            return _crop(cores, self._full(v), r)
         tiles = self.grid.tiles_in(r, v.scale)
         if len(tiles) == 1:
             return _crop(cores[tiles[0]], self.grid.core(tiles[0], v.scale), r).to(self.compute_dtype)
@@ -973,11 +978,17 @@ def _tiled(model: nn.Module, x: torch.Tensor, kind: str, config: TiledVAEConfig,
         raise UnsupportedVAE(f"an image whose sides {tuple(x.shape[2:])} are not multiples of {factor}")
     budget = config.budget_bytes if config.budget_bytes is not None else free_memory(x.device)
     untiled = _untiled_estimate(graph, x.shape, x.dtype)
+    tried, retries = [], 0
     if config.only_when_needed and untiled <= budget:
-        with torch.no_grad():
-            out = layout.untiled(x)
-        return TiledResult(out, TilingStats(False, budget_bytes=budget, untiled_estimate_bytes=untiled,
-                                            reason=f"fits: {untiled / 2**20:,.0f} MiB estimated ≤ {budget / 2**20:,.0f} MiB budget"))
+        try:
+            with torch.no_grad():
+                out = layout.untiled(x)
+            return TiledResult(out, TilingStats(False, budget_bytes=budget, untiled_estimate_bytes=untiled,
+                                                reason=f"fits: {untiled / 2**20:,.0f} MiB estimated ≤ {budget / 2**20:,.0f} MiB budget"))
+        except torch.OutOfMemoryError:
+            tried, retries = [max(x.shape[2:]) * (factor if kind == DECODE else 1)], 1
+        if x.device.type == "cuda":
+            torch.cuda.empty_cache()
     latent = (x.shape[2] // graph.input.scale, x.shape[3] // graph.input.scale)
     overlap = config.overlap if kind == DECODE else config.overlap // factor
     schedules = {keep: _schedule(graph, keep) for keep in (True, False)}
@@ -998,7 +1009,6 @@ def _tiled(model: nn.Module, x: torch.Tensor, kind: str, config: TiledVAEConfig,
         reason = f"the budget ({budget / 2**20:,.0f} MiB) is below the estimate even at the smallest tile"
     side, keep = choice
     smallest = max(1, -(-config.min_tile // factor))
-    tried, retries = [], 0
     while True:
         run = run_for(side, keep)
         tried.append(side * factor)

@@ -203,3 +203,10 @@ def test_unknown_layouts_are_refused(vae):
     assert "attention in an up block" in unsupported_reason(with_attention, "decode")
     with pytest.raises(UnsupportedVAE):
         tiled_decode(with_attention, torch.zeros(1, 4, 8, 8))
+
+
+def test_an_untiled_decode_that_runs_out_of_memory_is_tiled(latent, reference):
+    model = _with_failing_conv_out(80 * 80)
+    result = tiled_decode(model, latent, TiledVAEConfig(only_when_needed=True, budget_bytes=2**40, tile=64, store_dtype=None))
+    assert result.stats.tiled and (result.stats.oom_retries, result.stats.tiles_tried) == (1, (144, 64))
+    assert (result.output - reference).abs().max().item() <= EXACT_ATOL
