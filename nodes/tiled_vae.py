@@ -3,6 +3,9 @@
 The returned copy's decode/encode call what they wrapped (ComfyUI's own method, or another sdopt
 node's wrapper) on a stand-in VAE whose autoencoder decodes and encodes through
 ``optim.tiled_vae``; ComfyUI's batching, dtype, device and output handling stay as they are.
+Downstream of sdopt VAE Precision, a NaN-guard redo decodes with that node's own (untiled) copy;
+upstream of it, the redo tiles too. ComfyUI's own tiled decode/encode (VAE Decode (Tiled)) is left
+to ComfyUI.
 """
 import copy
 

@@ -69,3 +69,13 @@ def test_psnr_of_images_in_minus_one_to_one():
     image = torch.zeros(1, 3, 4, 4)
     assert psnr(image, image) == math.inf
     assert psnr(image + 0.02, image) == pytest.approx(40.0)  # 0.01 on the [0, 1] scale
+
+
+def test_the_cli_takes_comma_separated_sizes(capsys):
+    from sdopt.tools.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "vae", "--sizes", "512,1024,2048", "--keep-intermediates", "no"])
+    assert (args.sizes, args.tile, args.keep_intermediates, args.model) == ([512, 1024, 2048], 512, ["no"], "full")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "vae", "--sizes", "512,big"])
+    assert "not a comma-separated list of pixel sizes" in capsys.readouterr().err
