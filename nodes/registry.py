@@ -3,6 +3,7 @@ from .attention import SDOptAttention
 from .compile import SDOptCompile
 from .cuda_graph import SDOptCUDAGraph
 from .lowmem import SDOptLowMemory
+from .offload import SDOptOffload
 from .precision import SDOptPrecision
 from .profiler import SDOptProfiler
 from .report import SDOptProfileReport
@@ -21,6 +22,7 @@ _NODES = {
     "SDOptCompile": (SDOptCompile, "sdopt Compile"),
     "SDOptCUDAGraph": (SDOptCUDAGraph, "sdopt CUDA Graph"),
     "SDOptLowMemory": (SDOptLowMemory, "sdopt Low Memory"),
+    "SDOptOffload": (SDOptOffload, "sdopt Offload"),
 }
 
 NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}

@@ -1,0 +1,118 @@
+"""SDOptOffload (MODEL → MODEL): how many of this model's weights stay in VRAM while it samples.
+
+Works through ComfyUI's model management, not around it. A PREPARE_SAMPLING wrapper lets ComfyUI
+load the model as usual, asks ``optim.offload.plan_residency`` what this model may keep, then frees
+the rest with the patcher's own ``partially_unload`` (ComfyUI then casts those layers to the GPU as
+they run, on its async offload streams, so one layer's copy overlaps the previous layer's compute),
+or loads the rest with ``partially_load``. ``unload_after`` frees the weights as the sampler returns
+(a SAMPLER_SAMPLE wrapper, inside any profiler's run), the way ComfyUI's memory manager unloads a model.
+
+ComfyUI 0.38's dynamic VRAM streams every model under one global policy; ``none``, ``budget`` and
+``sequential`` run on the patcher's non-dynamic delegate (as ComfyUI's TorchCompileModel does), so
+this model's budget holds. The record says which path ran.
+"""
+from ..errors import UserError
+from ..optim.offload import MIB, MODES, OffloadConfig, plan_residency, residency_summary, unavailable_reason
+from . import glue
+
+NODE = "SDOptOffload"
+
+
+def _model_management():
+    import comfy.model_management
+
+    return comfy.model_management
+
+
+def _streaming_note() -> str:
+    streams = getattr(_model_management(), "NUM_STREAMS", None)
+    if streams is None:
+        return ""
+    if streams:
+        return f"streamed layers are copied on ComfyUI's {streams} async offload streams, ahead of their compute"
+    return "ComfyUI's async offload is off (--disable-async-offload): each streamed layer is copied just before it runs"
+
+
+def _unload(model) -> int:
+    """Free ``model``'s weights from the device through ComfyUI's loaded-model list; the bytes freed."""
+    mm = _model_management()
+    for i, loaded in enumerate(mm.current_loaded_models):
+        if loaded.model is not None and (loaded.model is model or loaded.model.is_clone(model)):
+            freed = loaded.model.loaded_size()
+            mm.current_loaded_models.pop(i).model_unload()
+            mm.soft_empty_cache()
+            return freed
+    return 0
+
+
+def offload_wrappers(config: OffloadConfig, requested: str, path_note: str) -> dict:
+    """The wrappers that hold a sampled model to ``config`` (for a model on a GPU)."""
+
+    def prepare_sampling(executor, model, *args, **kwargs):
+        if config.mode == "none" and "force_full_load" in kwargs:  # ComfyUI 0.38
+            kwargs["force_full_load"] = True
+        prepared = executor(model, *args, **kwargs)
+        residency = plan_residency(config, model.model_size(), model.loaded_size())
+        if residency.bytes_to_free:
+            model.partially_unload(model.offload_device, residency.bytes_to_free)
+        elif residency.bytes_to_load:
+            model.partially_load(model.load_device, residency.bytes_to_load)
+        streamed = model.loaded_size() < model.model_size()
+        note = "; ".join(filter(None, [path_note, _streaming_note() if streamed else ""]))
+        glue.record_in_run(NODE, requested, f"{config.describe()}: {residency_summary(model.loaded_size(), model.model_size())}", note)
+        return prepared
+
+    def unload_after_sampling(executor, guider, *args, **kwargs):
+        try:
+            return executor(guider, *args, **kwargs)
+        finally:
+            freed = _unload(guider.model_patcher)
+            glue.record_in_run(NODE, requested, f"unload_after: {freed / MIB:,.1f} MiB of weights freed from the device after sampling", path_note)
+
+    if config.mode == "unload_after":
+        return {"SAMPLER_SAMPLE": unload_after_sampling}
+    return {"PREPARE_SAMPLING": prepare_sampling}
+
+
+def offload_clone(model, config: OffloadConfig, requested: str):
+    """A clone of ``model`` held to ``config`` whenever it samples."""
+    if config.mode == "unload_after":
+        m, path_note = model.clone(), ""
+    else:
+        m, path_note = glue.non_dynamic_clone(model)
+    glue.set_wrappers(m, NODE, offload_wrappers(config, requested, path_note))
+    glue.record_model(m, NODE, requested, config.describe(), path_note)
+    return m
+
+
+class SDOptOffload:
+    DESCRIPTION = (
+        "Chooses how many of this model's weights stay in VRAM while it samples: none (all resident), budget (at most "
+        "budget_mb resident, the rest streamed layer by layer with the next copy overlapping compute), sequential (stream "
+        "everything: least VRAM, slowest), or unload_after (free the weights when sampling ends). Works through ComfyUI's "
+        "model management; on a CPU it does nothing and says so."
+    )
+    CATEGORY = "sdopt"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
+            "mode": (list(MODES), {"default": "budget", "tooltip": "none: all weights resident; budget: at most budget_mb resident; sequential: stream every layer; unload_after: free VRAM when sampling ends."}),
+            "budget_mb": ("INT", {"default": 1024, "min": 0, "max": 1 << 20, "tooltip": "budget mode: MiB of this model's weights that may stay in VRAM."}),
+            "on_unavailable": (["fallback", "error"], {"default": "fallback", "tooltip": "On a CPU there is nothing to offload: pass the model through with a note (fallback) or stop with an error."}),
+        }}
+
+    def patch(self, model, mode, budget_mb, on_unavailable):
+        config = OffloadConfig(mode, budget_mb * MIB)
+        requested = f"mode={mode}" + (f", budget_mb={budget_mb}" if mode == "budget" else "")
+        reason = unavailable_reason(model.load_device.type)
+        if reason is None:
+            return (offload_clone(model, config, requested),)
+        if on_unavailable == "error" and mode != "none":
+            raise UserError(f"mode: {reason}; set mode to none, or on_unavailable to fallback")
+        m = glue.patched_clone(model, NODE)
+        glue.record_model(m, NODE, requested, "no-op", reason)
+        return (m,)

@@ -1,0 +1,77 @@
+"""SDOptOffload in real ComfyUI on the mini checkpoint.
+
+On this CPU-only host the node is a no-op that says so. The wrappers it installs on a GPU are run
+here too, on a CPU patcher: ComfyUI's ``partially_unload`` then turns the freed layers into
+cast-per-layer ("lowvram") layers without moving them, which is the same code path a GPU streams
+through. Each mode must leave the stated bytes resident and sample exactly what stock samples.
+"""
+import pytest
+import torch
+
+
+@pytest.fixture
+def offload(comfy_host):
+    return comfy_host.pack("nodes.offload"), comfy_host.pack("optim.offload")
+
+
+def _profiled(comfy_host, model):
+    (profiled,) = comfy_host.nodes["SDOptProfiler"]().apply(model, "offload")
+    return profiled
+
+
+def _run_record(comfy_host, prompt_id):
+    (record,) = [r for r in comfy_host.glue.prompt_log(prompt_id).runs[-1]["optimizations"] if r["node"] == "SDOptOffload"]
+    return record
+
+
+def test_on_a_cpu_the_node_passes_through_and_says_so(comfy_host):
+    model = comfy_host.load_checkpoint()[0]
+    (patched,) = comfy_host.nodes["SDOptOffload"]().patch(model, "budget", 16, "fallback")
+    (record,) = [r for r in comfy_host.glue.model_records(patched.model_options) if r["node"] == "SDOptOffload"]
+    assert record["active"] == "no-op" and "CPU" in record["note"]
+    assert comfy_host.wrapper_counts(patched, "SDOptOffload") == {}
+    assert torch.equal(comfy_host.sample(patched), comfy_host.sample(model))
+
+
+def test_on_a_cpu_error_names_the_input(comfy_host):
+    model = comfy_host.load_checkpoint()[0]
+    user_error = comfy_host.pack("errors").UserError
+    with pytest.raises(user_error, match="^mode: .*CPU"):
+        comfy_host.nodes["SDOptOffload"]().patch(model, "sequential", 0, "error")
+    comfy_host.nodes["SDOptOffload"]().patch(model, "none", 0, "error")
+
+
+@pytest.mark.parametrize("mode", ["budget", "sequential", "none"])
+def test_each_mode_keeps_its_residency_and_samples_what_stock_samples(comfy_host, offload, prompt_context, mode):
+    nodes_offload, optim_offload = offload
+    model = comfy_host.load_checkpoint()[0]
+    stock = comfy_host.sample(model)
+    size = model.model_size()
+    budget = size // 3
+    patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig(mode, budget), f"mode={mode}")
+    out = comfy_host.sample(_profiled(comfy_host, patched))
+    torch.testing.assert_close(out, stock, rtol=0, atol=0)
+    resident = patched.loaded_size()
+    if mode == "budget":
+        assert 0 < resident <= budget
+    elif mode == "sequential":
+        assert resident < size * 0.01  # only layers ComfyUI cannot cast per layer stay (none in SD1.5's UNet)
+    else:
+        assert resident == size
+    active = _run_record(comfy_host, prompt_context)["active"]
+    assert active.startswith(mode) and f"{resident / 2**20:,.1f} of {size / 2**20:,.1f} MiB of weights resident" in active
+    assert torch.equal(comfy_host.sample(model), stock)
+
+
+def test_unload_after_frees_the_weights_when_sampling_ends(comfy_host, offload, prompt_context):
+    import comfy.model_management as mm
+
+    nodes_offload, optim_offload = offload
+    model = comfy_host.load_checkpoint()[0]
+    stock = comfy_host.sample(model)
+    patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig("unload_after"), "mode=unload_after")
+    out = comfy_host.sample(_profiled(comfy_host, patched))
+    assert torch.equal(out, stock)
+    assert not any(loaded.model is not None and loaded.model.is_clone(model) for loaded in mm.current_loaded_models)
+    assert "MiB of weights freed from the device after sampling" in _run_record(comfy_host, prompt_context)["active"]
+    assert torch.equal(comfy_host.sample(model), stock)
