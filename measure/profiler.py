@@ -3,7 +3,9 @@
 Host-independent: a host (the ComfyUI nodes, a diffusers loop, the benches) drives a
 ``SamplingRun`` through ``memory_scope``/``start``/``step``/``finish`` and gets a
 ``RunResult``. Timing uses CUDA events on CUDA and ``perf_counter`` elsewhere; peak
-memory is the CUDA allocator's peak on CUDA and the process peak RSS (VmHWM) on CPU.
+memory is the CUDA allocator's peak on CUDA and the process peak RSS (VmHWM) on CPU. Where a host
+maps device memory past the allocator (ComfyUI 0.38's dynamic VRAM), it passes a probe of that
+memory, sampled at the start, every step and the end, and the run reports its peak beside.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import contextvars
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,17 +59,27 @@ class MemoryReading:
     kind: str
     reserved_bytes: int | None = None
     note: str = ""
+    outside_allocator_bytes: int | None = None
 
 
 class PeakMemory:
-    """Peak memory on one device since ``reset()``: VRAM on CUDA, process RSS otherwise."""
+    """Peak memory on one device since ``reset()``: VRAM on CUDA, process RSS otherwise; plus the
+    peak of ``outside_allocator()`` (bytes mapped past PyTorch's allocator) over ``sample()`` calls."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, outside_allocator: Callable[[], int] | None = None):
         self.device = torch.device(device)
         self.kind = MEMORY_VRAM if self.device.type == "cuda" else MEMORY_RAM
         self._note = ""
+        self._outside_allocator = outside_allocator
+        self._outside_peak: int | None = None
+
+    def sample(self) -> None:
+        if self._outside_allocator is not None:
+            self._outside_peak = max(self._outside_peak or 0, self._outside_allocator())
 
     def reset(self) -> None:
+        self._outside_peak = None
+        self.sample()
         if self.kind == MEMORY_VRAM:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -74,14 +87,16 @@ class PeakMemory:
             self._note = "peak RSS could not be reset; it covers the whole process"
 
     def read(self) -> MemoryReading:
+        self.sample()
         if self.kind == MEMORY_VRAM:
             torch.cuda.synchronize(self.device)
             return MemoryReading(
                 peak_bytes=torch.cuda.max_memory_allocated(self.device),
                 kind=self.kind,
                 reserved_bytes=torch.cuda.max_memory_reserved(self.device),
+                outside_allocator_bytes=self._outside_peak,
             )
-        return MemoryReading(peak_bytes=_peak_rss_bytes(), kind=self.kind, note=self._note)
+        return MemoryReading(peak_bytes=_peak_rss_bytes(), kind=self.kind, note=self._note, outside_allocator_bytes=self._outside_peak)
 
 
 class Timeline:
@@ -127,6 +142,7 @@ class RunResult:
     peak_reserved_bytes: int | None = None
     memory_note: str = ""
     optimizations: list[dict] = field(default_factory=list)
+    peak_outside_allocator_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -148,10 +164,10 @@ class SamplingRun:
     previous mark to the ``i``-th ``step()``, so the total is never below the step sum.
     """
 
-    def __init__(self, label: str, device: torch.device | str, optimizations=()):
+    def __init__(self, label: str, device: torch.device | str, optimizations=(), outside_allocator: Callable[[], int] | None = None):
         self.label = label
         self.device = torch.device(device)
-        self.memory = PeakMemory(self.device)
+        self.memory = PeakMemory(self.device, outside_allocator)
         self.optimizations: list[dict] = [dict(o) for o in optimizations]
         self._timeline = Timeline(self.device)
         self._step_marks = 0
@@ -174,6 +190,7 @@ class SamplingRun:
     def step(self) -> None:
         self._timeline.mark()
         self._step_marks += 1
+        self.memory.sample()
 
     def finish(self) -> None:
         self._timeline.mark()
@@ -200,6 +217,7 @@ class SamplingRun:
             peak_reserved_bytes=reading.reserved_bytes,
             memory_note=reading.note,
             optimizations=[dict(o) for o in self.optimizations],
+            peak_outside_allocator_bytes=reading.outside_allocator_bytes,
         )
 
 

@@ -90,8 +90,9 @@ class Report:
         return render_chart(self, path)
 
 
-def _memory(bytes_: int | None, kind: str) -> str:
-    return f"{format_mib(bytes_)} ({MEMORY_LABELS.get(kind, kind)})"
+def _memory(bytes_: int | None, kind: str, outside_allocator: int | None = None) -> str:
+    outside = f" + {format_mib(outside_allocator)} dynamic VRAM" if outside_allocator is not None else ""
+    return f"{format_mib(bytes_)} ({MEMORY_LABELS.get(kind, kind)}){outside}"
 
 
 def render_markdown(report: Report) -> str:
@@ -105,7 +106,7 @@ def render_markdown(report: Report) -> str:
             [
                 [
                     run["label"], len(run["steps"]), f"{run['first_step_s']:.3f}", f"{run['steady_it_per_s']:.2f}",
-                    f"{run['sampler_total_s']:.3f}", _memory(run["peak_memory_bytes"], run["memory_kind"]),
+                    f"{run['sampler_total_s']:.3f}", _memory(run["peak_memory_bytes"], run["memory_kind"], run.get("peak_outside_allocator_bytes")),
                 ]
                 for run in report.runs
             ],

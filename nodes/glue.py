@@ -486,6 +486,21 @@ def fast_path_of(model) -> FastPath | None:
     return None
 
 
+def dynamic_vram_probe() -> Callable[[], int] | None:
+    """ComfyUI 0.38's dynamic VRAM maps weights through comfy-aimdo (cuMemMap), past PyTorch's
+    allocator: its total usage, where that is on; else None."""
+    import sys
+
+    memory_management = sys.modules.get("comfy.memory_management")
+    if not getattr(memory_management, "aimdo_enabled", False):
+        return None
+    try:
+        from comfy_aimdo import control
+    except ImportError:
+        return None
+    return getattr(control, "get_total_vram_usage", None)
+
+
 def non_dynamic_clone(model):
     """A clone that ComfyUI 0.38's dynamic VRAM does not stream (graphs and compiled code need
     fixed weight addresses), as ComfyUI's own TorchCompileModel does; and which path ran."""

@@ -1,7 +1,8 @@
 """SDOptProfiler (MODEL → MODEL): profile every sampling run of a model.
 
 Keyed OUTER_SAMPLE and SAMPLER_SAMPLE wrappers on a clone: the outer one scopes peak memory around
-load and sampling and files the finished run under the executing prompt; the inner one times the
+load and sampling (plus the VRAM ComfyUI 0.38's dynamic VRAM maps past PyTorch's allocator, where
+it is on) and files the finished run under the executing prompt; the inner one times the
 sampler and marks every step through the sampler callback. Both take ComfyUI's arguments as given,
 so new ones (``latent_shapes`` in 0.33) pass through.
 """
@@ -17,7 +18,7 @@ def _outer_sample(label: str):
         guider = executor.class_obj
         prompt_id = glue.current_prompt_id()
         glue.install_node_timer(prompt_id, glue.current_node_id())
-        run = SamplingRun(label, guider.model_patcher.load_device, glue.model_records(guider.model_options))
+        run = SamplingRun(label, guider.model_patcher.load_device, glue.model_records(guider.model_options), glue.dynamic_vram_probe())
         with run.memory_scope():
             output = executor(*args, **kwargs)
         if run.finished:  # a guider that never calls the sampler wrapper leaves nothing to report

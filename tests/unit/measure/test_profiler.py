@@ -110,3 +110,16 @@ def test_format_mib_and_labels():
     assert format_mib(MIB // 2) == "0.5"
     assert MEMORY_LABELS == {MEMORY_VRAM: "VRAM", MEMORY_RAM: "RAM"}
     assert PeakMemory("cpu").kind == MEMORY_RAM and PeakMemory("cuda:0").kind == MEMORY_VRAM
+
+
+def test_memory_outside_the_allocator_peaks_over_start_steps_and_end():
+    usage = iter([100, 700, 300, 200])  # reset, step 1, step 2, read
+    run = SamplingRun("dynamic", "cpu", outside_allocator=lambda: next(usage))
+    with run.memory_scope():
+        run.start()
+        run.step()
+        run.step()
+        run.finish()
+    result = run.result()
+    assert result.peak_outside_allocator_bytes == 700
+    assert SamplingRun("plain", "cpu").memory.read().outside_allocator_bytes is None

@@ -157,3 +157,11 @@ def test_from_dict_rejects_other_json():
         Report.from_dict({"hello": 1})
     with pytest.raises(ValueError, match="not an sdopt report"):
         Report.from_dict({"sdopt_report": 1, "device": "cpu", "torch": "x"})
+
+
+def test_markdown_adds_dynamic_vram_beside_the_allocator_peak(report):
+    report.runs[1]["peak_outside_allocator_bytes"] = 1536 * 2**20
+    lines = report.markdown().splitlines()
+    fp16, baseline = ([line for line in lines if line.startswith(f"| {label} ") and "(RAM)" in line] for label in ("fp16", "baseline"))
+    assert len(fp16) == 1 and fp16[0].rstrip(" |").endswith("(RAM) + 1,536.0 dynamic VRAM")
+    assert len(baseline) == 1 and "dynamic VRAM" not in baseline[0]

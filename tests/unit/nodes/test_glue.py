@@ -903,6 +903,21 @@ def test_outer_sample_files_a_run_and_passes_new_arguments(prompts, monkeypatch)
     assert len(glue.prompt_log(PROMPT).runs) == 2, "every sampling run is filed"
 
 
+def test_outer_sample_counts_dynamic_vram_where_comfyui_0_38_maps_it(prompts, monkeypatch):
+    monkeypatch.setattr(glue, "install_node_timer", lambda *a: False)
+    monkeypatch.setattr(glue, "current_node_id", lambda: "5")
+    outer = profiler_node._outer_sample("dynamic")
+    install(monkeypatch, "comfy.memory_management", aimdo_enabled=False)
+    install(monkeypatch, "comfy_aimdo.control", get_total_vram_usage=lambda: 3 * 2**30)
+    outer(OuterExecutor([]), "noise")
+    assert glue.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] is None, "aimdo off: nothing to count"
+    sys.modules["comfy.memory_management"].aimdo_enabled = True
+    outer(OuterExecutor([]), "noise")
+    assert glue.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] == 3 * 2**30
+    monkeypatch.setitem(sys.modules, "comfy_aimdo", None)  # enabled, but the package cannot be imported
+    assert glue.dynamic_vram_probe() is None
+
+
 def test_profiler_node_clones_with_its_wrappers(patcher_extension, prompts, monkeypatch):
     monkeypatch.setattr(glue, "install_node_timer", lambda *a: False)
     model = WrappedPatcher()
