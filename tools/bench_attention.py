@@ -119,7 +119,7 @@ def peak_memory_delta(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     """
     memory = PeakMemory(q.device)
     if memory.kind == MEMORY_RAM:
-        _trim_heap()
+        trim_heap()
     memory.reset()
     before = memory.read().peak_bytes
     out = fn(q, k, v, mask)
@@ -170,7 +170,9 @@ def parse_device(device: str) -> torch.device:
     return parsed
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
+    """Hand free heap memory back to the OS (glibc ``malloc_trim``; nothing elsewhere), so that RSS
+    counts what is live."""
     libc_name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(libc_name) if libc_name else None
     if libc is not None and hasattr(libc, "malloc_trim"):

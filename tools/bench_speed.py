@@ -53,6 +53,7 @@ class SpeedRow:
     device: str
     notes: str = ""
     rounds_it_per_s: list = field(default_factory=list)
+    vram_cap_bytes: int | None = None  # --vram-cap in force
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,7 +93,7 @@ def _comfy_torch_compile(base):
     return model
 
 
-def _sample(host, model, label: str, latent: dict, conds, steps: int):
+def profiled_sample(host, model, label: str, latent: dict, conds, steps: int):
     """(latent, the profiler's run, seconds from call to return) of one KSampler prompt."""
     import nodes
     from comfy_execution.utils import CurrentNodeContext
@@ -109,7 +110,7 @@ def _sample(host, model, label: str, latent: dict, conds, steps: int):
     return out, run, wall
 
 
-def _decode(vae, samples) -> tuple[torch.Tensor, float]:
+def timed_decode(vae, samples) -> tuple[torch.Tensor, float]:
     started = time.perf_counter()
     image = vae.decode(samples)
     if image.device.type == "cuda":
@@ -117,8 +118,9 @@ def _decode(vae, samples) -> tuple[torch.Tensor, float]:
     return image.float().cpu(), time.perf_counter() - started
 
 
-def _notes(run: dict) -> str:
-    return "; ".join(f"{o['node']}: {o['active']}" + (f" ({o['note']})" if o.get("note") else "") for o in run["optimizations"])
+def optimization_notes(records: list[dict]) -> str:
+    """What each sdopt node requested and really ran, as one line, from its records."""
+    return "; ".join(f"{o['node']}: {o['active']}" + (f" ({o['note']})" if o.get("note") else "") for o in records)
 
 
 @torch.inference_mode()
@@ -131,6 +133,7 @@ def bench_speed(
     rungs: list[str] = RUNGS,
     models: Path | None = None,
     progress: bool = True,
+    vram_cap: int | None = None,
 ) -> list[SpeedRow]:
     from .headless import boot
 
@@ -142,7 +145,7 @@ def bench_speed(
     if unknown:
         raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS)}")
     names = [STOCK] + [r for r in rungs if r != STOCK]
-    host = boot(comfyui)
+    host = boot(comfyui, vram_cap)
     import comfy.sd
     import nodes
 
@@ -155,15 +158,15 @@ def bench_speed(
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
     bar = tqdm(total=len(names) * (rounds + 1), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
     for name in names:
-        samples, run, wall = _sample(host, built[name][0], name, latent, conds, steps)
+        samples, run, wall = profiled_sample(host, built[name][0], name, latent, conds, steps)
         first[name] = (wall, run)
-        images[name] = _decode(vae, samples)[0]
+        images[name] = timed_decode(vae, samples)[0]
         bar.update()
     for _ in range(rounds):
         for name in names:
-            samples, run, wall = _sample(host, built[name][0], name, latent, conds, steps)
+            samples, run, wall = profiled_sample(host, built[name][0], name, latent, conds, steps)
             runs[name].append((wall, run))
-            decode[name] = _decode(vae, samples)[1]
+            decode[name] = timed_decode(vae, samples)[1]
             bar.update()
     bar.close()
     rows = []
@@ -181,7 +184,7 @@ def bench_speed(
             sampler_s=sampler_s, decode_s=decode[name], end_to_end_s=sampler_s + decode[name],
             peak_memory_bytes=max(run["peak_memory_bytes"] for _, run in runs[name]), memory_kind=last["memory_kind"],
             max_pixel_diff=float((images[name] - images[STOCK]).abs().max() * 255), device=str(base.load_device),
-            notes=_notes(last), rounds_it_per_s=rates,
+            notes=optimization_notes(last["optimizations"]), rounds_it_per_s=rates, vram_cap_bytes=host.vram_cap_bytes,
         ))
     return rows
 

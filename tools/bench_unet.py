@@ -38,6 +38,7 @@ class UNetBenchRow:
     memory_kind: str
     rel_error_vs_fp32: float
     latency_vs_fp32: float
+    vram_cap_bytes: int | None = None  # --vram-cap in force
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +93,7 @@ def bench_unet(
     repeats: int = 3,
     models: Path | None = None,
     progress: bool = True,
+    vram_cap: int | None = None,
 ) -> list[UNetBenchRow]:
     """One row per weight dtype, fp32 first as the reference, each through ``SDOptPrecision``."""
     from .headless import boot
@@ -100,7 +102,7 @@ def bench_unet(
         raise UserError("--repeats and --batch must be >= 1")
     if resolution % 64:
         raise UserError(f"--resolution must be a multiple of 64, not {resolution}")
-    host = boot(comfyui)
+    host = boot(comfyui, vram_cap)
     models = Path(models) if models is not None else Path(host.path) / "models"
     path = checkpoint_path(model, models)
     import comfy.model_management as mm
@@ -123,7 +125,7 @@ def bench_unet(
             model=path.stem, weight_dtype=name, active=record["active"], resolution=resolution, batch=batch,
             device=str(base.load_device), first_s=first, median_s=median, peak_memory_bytes=reading.peak_bytes,
             memory_kind=reading.kind, rel_error_vs_fp32=float((out - reference[0]).norm() / reference[0].norm()),
-            latency_vs_fp32=median / reference[1],
+            latency_vs_fp32=median / reference[1], vram_cap_bytes=host.vram_cap_bytes,
         ))
     return rows
 

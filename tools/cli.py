@@ -27,6 +27,12 @@ def _make_model(args: argparse.Namespace) -> None:
     )
 
 
+def _vram_cap(args: argparse.Namespace) -> int | None:
+    from .headless import parse_vram_cap
+
+    return parse_vram_cap(args.vram_cap)
+
+
 def _run(args: argparse.Namespace) -> None:
     from .headless import run_workflow
 
@@ -37,6 +43,7 @@ def _run(args: argparse.Namespace) -> None:
         overrides=args.set,
         report_json=args.report_json,
         out_dir=args.out,
+        vram_cap=_vram_cap(args),
     )
     print(outcome.report.markdown() if outcome.report else "no sdopt Profile Report node in this workflow: nothing was profiled")
     for image in outcome.images:
@@ -78,6 +85,7 @@ def _bench_unet(args: argparse.Namespace) -> None:
         batch=args.batch,
         repeats=args.repeats,
         models=args.models,
+        vram_cap=_vram_cap(args),
     )
     _print_rows(unet_table(rows), rows, args.json)
 
@@ -85,10 +93,21 @@ def _bench_unet(args: argparse.Namespace) -> None:
 def _bench_speed(args: argparse.Namespace) -> None:
     from .bench_speed import bench_speed, save_plot, speed_table
 
-    rows = bench_speed(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs, models=args.models)
+    rows = bench_speed(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs,
+                       models=args.models, vram_cap=_vram_cap(args))
     _print_rows(speed_table(rows), rows, args.json)
     if args.plot:
         print(save_plot(rows, args.plot) or f"wrote {args.plot}")
+
+
+def _bench_resolutions(args: argparse.Namespace) -> None:
+    from .bench_resolutions import bench_resolutions, resolutions_table, save_heatmap
+
+    rows = bench_resolutions(args.comfyui, model=args.model, sizes=args.sizes, steps=args.steps, vram_cap=_vram_cap(args),
+                             confirm=args.confirm, models=args.models)
+    _print_rows(resolutions_table(rows), rows, args.json)
+    if args.plot:
+        print(save_heatmap(rows, args.plot) or f"wrote {args.plot}")
 
 
 def _bench_vae(args: argparse.Namespace) -> None:
@@ -164,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--report-json", type=Path, help="write the JSON report here too")
     run.add_argument("--out", type=Path, help="output folder for images and reports (default: ComfyUI's output)")
+    _add_vram_cap(run)
     run.set_defaults(handler=_run)
 
     serve = commands.add_parser("serve", help="start ComfyUI with sdopt installed, on localhost")
@@ -187,28 +207,32 @@ def build_parser() -> argparse.ArgumentParser:
     unet = bench_kinds.add_parser(
         "unet", help="UNet latency, memory and error per weight dtype through SDOptPrecision, inside ComfyUI, vs fp32"
     )
-    unet.add_argument("--model", default="mini", help=f"{', '.join(SIZES)} (generated once) or a checkpoint file")
     unet.add_argument("--dtypes", nargs="+", choices=("auto", "fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e5m2"), default=["auto", "fp16", "bf16"])
     unet.add_argument("--resolution", type=int, default=512, help="image side in pixels (latent is 1/8)")
     unet.add_argument("--batch", type=int, default=2, help="2 = one cond+uncond sampler step")
     unet.add_argument("--repeats", type=int, default=3)
-    unet.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
-    unet.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
-    unet.add_argument("--json", type=Path, help="write the rows as JSON")
+    _add_comfyui_bench_options(unet)
     unet.set_defaults(handler=_bench_unet)
     speed = bench_kinds.add_parser(
         "speed", help="steady it/s of each fast-path rung in ComfyUI's KSampler, interleaved with stock ComfyUI"
     )
-    speed.add_argument("--model", default="mini", help=f"{', '.join(SIZES)} (generated once) or a checkpoint file")
     speed.add_argument("--size", type=int, default=512, help="image side in pixels")
     speed.add_argument("--steps", type=int, default=20)
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
     speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=f"default: all of {', '.join(SPEED_RUNGS)}")
-    speed.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
-    speed.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
-    speed.add_argument("--json", type=Path, help="write the rows as JSON")
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
+    _add_comfyui_bench_options(speed)
     speed.set_defaults(handler=_bench_speed)
+    resolutions = bench_kinds.add_parser(
+        "resolutions", help="stock ComfyUI vs sdopt's low-memory stack per image size: time, peak memory, OOM, planner prediction"
+    )
+    resolutions.add_argument("--sizes", type=_sizes, default=[512, 1024, 2048], help="comma-separated image sides in pixels")
+    resolutions.add_argument("--steps", type=int, default=4)
+    resolutions.add_argument("--confirm", action="store_true",
+                             help="on a GPU, also run the cells the planner predicts out of memory (on a CPU they are never run)")
+    resolutions.add_argument("--plot", type=Path, help="write a heatmap (PNG)")
+    _add_comfyui_bench_options(resolutions)
+    resolutions.set_defaults(handler=_bench_resolutions)
     vae = bench_kinds.add_parser(
         "vae", help="SD1.5 VAE decode untiled vs tiled (random weights), each in a fresh process: time, peak RAM, PSNR"
     )
@@ -242,6 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--dir", type=Path, help="default: $SDOPT_CACHE_DIR or ~/.cache/sdopt/compile")
     cache.set_defaults(handler=_cache)
     return parser
+
+
+def _add_vram_cap(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vram-cap", metavar="SIZE", help=(
+        "emulate a smaller GPU, e.g. 8GiB: PyTorch and ComfyUI's model loading keep within it (CUDA only; ignored on a CPU)"))
+
+
+def _add_comfyui_bench_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every bench that runs inside ComfyUI."""
+    parser.add_argument("--model", default="mini", help=f"{', '.join(SIZES)} (generated once) or a checkpoint file")
+    parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    parser.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON")
+    _add_vram_cap(parser)
 
 
 def _cuda_available() -> bool:

@@ -5,7 +5,15 @@
 with ``--cpu`` when CUDA is absent, its core nodes, and this pack loaded through
 ComfyUI's own ``load_custom_node``, exactly as a ``custom_nodes`` install would be.
 The runner stands in for ComfyUI's server: it receives the report node's ``sdopt.report``
-event, as the browser does, and never builds or writes a report of its own.
+event, as the browser does, and never builds a report of its own; it only adds a note to it when
+``--vram-cap`` was in force.
+
+``--vram-cap`` (``boot(..., vram_cap=...)``, applied right after ComfyUI boots, before any model
+loads) emulates a smaller GPU on a larger one: PyTorch's caching allocator may hold only
+``cap / total`` of the device, and ComfyUI's reserved VRAM grows by ``total - cap``, so that its
+planning (free memory from ``torch.cuda.mem_get_info`` minus the reserve) sees the cap.
+ComfyUI's dtype heuristics that read the device total (fp8 weights, manual casts on old cards)
+still see the whole GPU.
 """
 from __future__ import annotations
 
@@ -19,11 +27,12 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import UserError
 from ..measure.report import Report
+from ..optim.memory_plan import parse_bytes
 from .workflow import (
     apply_overrides,
     is_ui_format,
@@ -39,6 +48,85 @@ REPORT_EVENT = "sdopt.report"
 CLIENT_ID = "sdopt-headless"
 # What ComfyUI's own server passes as cache_args where PromptExecutor takes them (0.3.75 and newer).
 CACHE_ARGS = {"lru": 0, "ram": 0, "ram_inactive": 0}
+
+
+_GiB = 2**30
+
+
+@dataclass(frozen=True)
+class VramCap:
+    """``--vram-cap`` as planned for one device: ``total_bytes`` is None where the device is not a
+    CUDA GPU, and then the cap is ignored. ``comfy_reserved_bytes`` is what ComfyUI reserves for
+    other applications on its own, which a real GPU of the cap's size would reserve too."""
+
+    cap_bytes: int
+    device: str
+    total_bytes: int | None = None
+    comfy_reserved_bytes: int = 0
+    comfy_plans_for_cap: bool = True  # False: this ComfyUI has no reserved-VRAM setting to raise
+    dynamic_vram: bool = False  # ComfyUI 0.38's dynamic VRAM maps weights past PyTorch's allocator
+
+    @property
+    def in_force(self) -> bool:
+        return self.total_bytes is not None
+
+    @property
+    def fraction(self) -> float:
+        """What ``torch.cuda.set_per_process_memory_fraction`` gets."""
+        return self.cap_bytes / self.total_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """ComfyUI's reserved VRAM under the cap: free memory minus this is what its planning sees."""
+        return self.total_bytes - self.cap_bytes + self.comfy_reserved_bytes
+
+    def note(self) -> str:
+        if not self.in_force:
+            return (f"--vram-cap {self.cap_bytes / _GiB:,.2f} GiB ignored: the cap applies to CUDA GPUs only, "
+                    f"and this run is on {self.device}")
+        capped = (f"VRAM capped at {self.cap_bytes / _GiB:,.2f} GiB of {self.device}'s {self.total_bytes / _GiB:,.2f} GiB "
+                  f"(--vram-cap): PyTorch may allocate {self.fraction:.3f} of it")
+        if self.comfy_plans_for_cap:
+            capped += f", ComfyUI reserves {self.reserved_bytes / _GiB:,.2f} GiB"
+        else:
+            capped += "; this ComfyUI has no reserved-VRAM setting, so its model loading plans for the whole GPU"
+        if self.dynamic_vram:
+            capped += "; ComfyUI's dynamic VRAM maps weights past PyTorch's allocator, and the cap does not bound those"
+        return capped
+
+
+def plan_vram_cap(cap_bytes: int, device: str, device_total=None, comfy_reserved_bytes: int = 0) -> VramCap:
+    """The cap for ``device``; ``device_total()`` gives its memory in bytes, and is None where the
+    device is no CUDA GPU. A cap above the device's memory is a ``UserError``."""
+    if device_total is None:
+        return VramCap(cap_bytes, device)
+    total = device_total()
+    if cap_bytes > total:
+        raise UserError(f"--vram-cap {cap_bytes / _GiB:,.2f} GiB is more than {device}'s {total / _GiB:,.2f} GiB: "
+                        "give a smaller size, or leave --vram-cap out to use the whole GPU")
+    return VramCap(cap_bytes, device, total, comfy_reserved_bytes)
+
+
+def parse_vram_cap(text: str | None) -> int | None:
+    """Bytes of a ``--vram-cap`` value (``8GiB``, ``6000MiB``); None without one."""
+    return None if text is None else parse_bytes(text, "--vram-cap")
+
+
+def comfy_reserved_vram(model_management) -> int:
+    """The VRAM ComfyUI keeps free for other applications (0 where this ComfyUI has no such setting)."""
+    reserved = getattr(model_management, "extra_reserved_memory", None)
+    return int(reserved()) if callable(reserved) else int(getattr(model_management, "EXTRA_RESERVED_VRAM", 0))
+
+
+def set_comfy_reserved_vram(model_management, reserved_bytes: int) -> bool:
+    """Make ComfyUI keep ``reserved_bytes`` free when it plans; False where it has no such setting."""
+    if hasattr(model_management, "EXTRA_RESERVED_VRAM"):  # what extra_reserved_memory() returns
+        model_management.EXTRA_RESERVED_VRAM = int(reserved_bytes)
+        return True
+    if callable(getattr(model_management, "extra_reserved_memory", None)):
+        model_management.extra_reserved_memory = lambda: int(reserved_bytes)
+        return True
+    return False
 
 
 @dataclass
@@ -134,6 +222,40 @@ class ComfyHost:
             server.PromptServer.instance = self._server
         options = {"cache_args": CACHE_ARGS} if "cache_args" in inspect.signature(execution.PromptExecutor).parameters else {}
         self._executor = execution.PromptExecutor(self._server, cache_type=execution.CacheType.CLASSIC, **options)
+        self.vram_cap: VramCap | None = None
+        self._comfy_reserved: int | None = None  # ComfyUI's own reserve, kept to restore it
+
+    @property
+    def vram_cap_bytes(self) -> int | None:
+        """The VRAM cap in force, in bytes; None without one (or where it was ignored)."""
+        return self.vram_cap.cap_bytes if self.vram_cap is not None and self.vram_cap.in_force else None
+
+    def set_vram_cap(self, cap_bytes: int | None) -> VramCap | None:
+        """Cap the VRAM this process may use at ``cap_bytes`` (None: the whole device again)."""
+        import comfy.model_management as mm
+        import torch
+
+        device = mm.get_torch_device()
+        if self._comfy_reserved is None:
+            self._comfy_reserved = comfy_reserved_vram(mm)
+        cuda = torch.device(device).type == "cuda"
+        if cap_bytes is None:
+            if self.vram_cap_bytes is not None:
+                torch.cuda.set_per_process_memory_fraction(1.0, device)
+                set_comfy_reserved_vram(mm, self._comfy_reserved)
+            self.vram_cap = None
+            return None
+        name = torch.cuda.get_device_name(device) if cuda else str(device)
+        total = (lambda: torch.cuda.mem_get_info(device)[1]) if cuda else None
+        cap = plan_vram_cap(cap_bytes, name, total, self._comfy_reserved)
+        if cap.in_force:
+            from ..nodes.glue import dynamic_vram_probe
+
+            torch.cuda.set_per_process_memory_fraction(cap.fraction, device)
+            cap = replace(cap, comfy_plans_for_cap=set_comfy_reserved_vram(mm, cap.reserved_bytes),
+                          dynamic_vram=dynamic_vram_probe() is not None)
+        self.vram_cap = cap
+        return cap
 
     @property
     def node_classes(self) -> dict:
@@ -247,14 +369,18 @@ class ComfyHost:
 _host: ComfyHost | None = None
 
 
-def boot(comfyui: str | Path | None) -> ComfyHost:
-    """The process's ComfyUI host, booted on first use; one ComfyUI per process."""
+def boot(comfyui: str | Path | None, vram_cap: int | None = None) -> ComfyHost:
+    """The process's ComfyUI host, booted on first use; one ComfyUI per process. ``vram_cap``
+    (bytes) caps its VRAM from now on, None lifts a cap; the cap's line goes to stderr."""
     global _host
     path = _check_comfyui(Path(comfyui) if comfyui else None)
     if _host is None:
         _host = ComfyHost(path)
     elif _host.path != path:
         raise UserError(f"ComfyUI from {_host.path} is already loaded in this process; cannot switch to {path}")
+    cap = _host.set_vram_cap(vram_cap)
+    if cap is not None:
+        print(f"sdopt: {cap.note()}", file=sys.stderr)
     return _host
 
 
@@ -265,14 +391,19 @@ def run_workflow(
     overrides: list[str] = (),
     report_json: str | Path | None = None,
     out_dir: str | Path | None = None,
+    vram_cap: int | None = None,
 ) -> WorkflowOutcome:
     workflow = load_workflow(workflow_path)
-    host = boot(comfyui if comfyui is not None else os.environ.get("COMFYUI_PATH"))
+    host = boot(comfyui if comfyui is not None else os.environ.get("COMFYUI_PATH"), vram_cap)
     if models is not None:
         host.add_models_folder(Path(models))
     if out_dir is not None:
         host.set_output_folder(Path(out_dir))
     outcome = host.execute(host.prompt_from(workflow, overrides))
+    if host.vram_cap is not None and outcome.report is not None:
+        # The report node cannot know the process was capped: the note goes into its report and JSON.
+        outcome.report.notes.append(host.vram_cap.note())
+        outcome.report.save_json(outcome.report_path)
     if report_json is not None:
         if outcome.report_path is None:
             raise UserError(f"--report-json: {workflow_path} has no {REPORT_NODE} node, so there is no report to copy")

@@ -113,3 +113,58 @@ def test_failure_messages(monkeypatch):
     host._server.events.append(("execution_error", {"node_id": "9", "node_type": "SDOptPrecision",
                                                     "exception_type": "UserError", "exception_message": "weight_dtype: no\n"}))
     assert host._failure_message() == "node 9 (SDOptPrecision) failed: UserError: weight_dtype: no"
+
+
+GiB = 2**30
+
+
+def test_vram_cap_fraction_and_reserve_make_comfyui_plan_for_the_cap():
+    cap = headless.plan_vram_cap(8 * GiB, "H100", device_total=lambda: 80 * GiB, comfy_reserved_bytes=GiB // 2)
+    assert cap.in_force and cap.fraction == pytest.approx(0.1)
+    # ComfyUI sees free memory minus its reserve: 80 GiB free on the idle device leaves the cap less
+    # the reserve any GPU of the cap's size would keep.
+    assert 80 * GiB - cap.reserved_bytes == 8 * GiB - GiB // 2
+    assert "VRAM capped at 8.00 GiB of H100's 80.00 GiB" in cap.note() and "0.100" in cap.note()
+
+
+def test_vram_cap_the_size_of_the_gpu_is_the_whole_gpu():
+    cap = headless.plan_vram_cap(80 * GiB, "H100", device_total=lambda: 80 * GiB)
+    assert cap.fraction == 1.0 and cap.reserved_bytes == 0
+
+
+def test_vram_cap_without_cuda_is_ignored_with_one_line():
+    cap = headless.plan_vram_cap(8 * GiB, "cpu")
+    assert not cap.in_force
+    assert cap.note() == "--vram-cap 8.00 GiB ignored: the cap applies to CUDA GPUs only, and this run is on cpu"
+
+
+def test_vram_cap_larger_than_the_gpu_names_the_option():
+    with pytest.raises(headless.UserError, match=r"--vram-cap 96.00 GiB is more than H100's 80.00 GiB: give a smaller size"):
+        headless.plan_vram_cap(96 * GiB, "H100", device_total=lambda: 80 * GiB)
+
+
+def test_vram_cap_parses_sizes_and_names_the_option():
+    assert headless.parse_vram_cap("6000MiB") == 6000 * 2**20 and headless.parse_vram_cap(None) is None
+    with pytest.raises(headless.UserError, match="--vram-cap: 'lots' is not a size"):
+        headless.parse_vram_cap("lots")
+
+
+def test_reserved_vram_is_set_where_comfyui_has_the_setting():
+    old = types.SimpleNamespace(EXTRA_RESERVED_VRAM=400 * 2**20)
+    old.extra_reserved_memory = lambda: old.EXTRA_RESERVED_VRAM
+    assert headless.comfy_reserved_vram(old) == 400 * 2**20
+    assert headless.set_comfy_reserved_vram(old, 72 * GiB) and old.extra_reserved_memory() == 72 * GiB
+    function_only = types.SimpleNamespace(extra_reserved_memory=lambda: 0)
+    assert headless.set_comfy_reserved_vram(function_only, GiB) and function_only.extra_reserved_memory() == GiB
+    neither = types.SimpleNamespace()
+    assert headless.comfy_reserved_vram(neither) == 0 and not headless.set_comfy_reserved_vram(neither, GiB)
+
+
+def test_a_cap_comfyui_cannot_plan_for_says_so():
+    cap = headless.VramCap(8 * GiB, "H100", 80 * GiB, comfy_plans_for_cap=False)
+    assert "its model loading plans for the whole GPU" in cap.note()
+
+
+def test_a_cap_under_dynamic_vram_says_what_it_does_not_bound():
+    cap = headless.VramCap(8 * GiB, "H100", 80 * GiB, dynamic_vram=True)
+    assert cap.note().endswith("dynamic VRAM maps weights past PyTorch's allocator, and the cap does not bound those")

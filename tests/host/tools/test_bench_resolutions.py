@@ -1,0 +1,52 @@
+"""bench resolutions inside ComfyUI, on the mini checkpoint at 64 and 128 px with 2 steps on a CPU:
+every cell fits, so both stacks run at both sizes, and sdopt's image equals stock's. The UNet stack is
+exact up to float rounding and the tiled VAE holds ≥ 40 dB PSNR, so 40 dB is the bound."""
+import json
+
+import pytest
+
+from sdopt.tools.cli import main
+
+MIN_PSNR_DB = 40.0
+
+
+@pytest.fixture(scope="module")
+def bench(comfy_host, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("resolutions")
+    out, plot = folder / "resolutions.json", folder / "resolutions.png"
+    argv = ["bench", "resolutions", "--comfyui", str(comfy_host.host.path), "--model", str(comfy_host.checkpoint),
+            "--sizes", "64,128", "--steps", "2", "--json", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    return json.loads(out.read_text()), plot
+
+
+def test_both_stacks_ran_at_every_size(bench):
+    rows, _ = bench
+    assert [(r["size"], r["stack"], r["status"]) for r in rows] == [
+        (64, "stock", "ok"), (64, "sdopt", "ok"), (128, "stock", "ok"), (128, "sdopt", "ok")]
+    for row in rows:
+        assert row["seconds"] == pytest.approx(row["sampler_s"] + row["decode_s"]) and row["decode_s"] > 0
+        assert 0 < row["predicted_peak_bytes"] <= row["budget_bytes"] and row["peak_memory_bytes"] > 0
+        assert row["steps"] == 2 and row["model"] == "sdopt-mini-sd15"
+
+
+def test_sdopt_image_equals_stock(bench):
+    rows, _ = bench
+    for row in rows:
+        if row["stack"] == "sdopt":
+            assert row["psnr_vs_stock_db"] >= MIN_PSNR_DB, row
+        else:
+            assert row["psnr_vs_stock_db"] is None
+
+
+def test_sdopt_rows_say_what_each_node_did(bench):
+    rows, _ = bench
+    notes = [r["notes"] for r in rows if r["stack"] == "sdopt"]
+    for note in notes:
+        assert "SDOptLowMemory: budget 256 MiB" in note and "SDOptTiledVAE: decode" in note
+        assert "SDOptOffload: no-op" in note, "on a CPU the offload node passes the model through"
+
+
+def test_heatmap_written(bench):
+    _, plot = bench
+    assert plot.read_bytes()[:4] == b"\x89PNG"

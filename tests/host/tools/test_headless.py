@@ -1,0 +1,31 @@
+"""``sdopt run --vram-cap`` in real ComfyUI: the cap's line on stderr and in the report, on a GPU in
+force, on a CPU ignored without failing the run."""
+import json
+
+import pytest
+import torch
+
+from sdopt.tools.cli import main
+
+
+@pytest.fixture
+def uncapped_afterwards(comfy_host):
+    yield
+    comfy_host.host.set_vram_cap(None)
+
+
+def test_run_with_a_vram_cap_says_so_in_the_report(comfy_host, tmp_path, capsys, uncapped_afterwards):
+    report = tmp_path / "report.json"
+    sets = [arg for setting in comfy_host.SMALL for arg in ("--set", setting)]
+    argv = ["run", str(comfy_host.WORKFLOWS / "sd15_baseline.json"), "--comfyui", str(comfy_host.host.path), *sets,
+            "--vram-cap", "2GiB", "--report-json", str(report)]
+    assert main(argv) == 0
+    if torch.cuda.is_available():
+        line = "VRAM capped at 2.00 GiB of "
+    else:
+        line = "--vram-cap 2.00 GiB ignored: the cap applies to CUDA GPUs only, and this run is on cpu"
+    printed = capsys.readouterr()
+    assert f"sdopt: {line}" in printed.err
+    assert line in printed.out, "the profile table shows the report's notes"
+    assert any(line in note for note in json.loads(report.read_text())["notes"])
+    assert comfy_host.host.vram_cap_bytes == (2 * 2**30 if torch.cuda.is_available() else None)

@@ -1,0 +1,125 @@
+"""bench resolutions without ComfyUI: which cells run, what the planner's figures add up to, the
+table, the JSON rows and the heatmap. The host tier runs the bench in ComfyUI."""
+import json
+
+import pytest
+
+from sdopt.measure.profiler import MEMORY_VRAM
+from sdopt.tools import bench_resolutions as bench
+from sdopt.tools.cli import main
+from sdopt.tools.plan import StagePrediction, UNET_STEP, VAE_DECODE
+
+MiB = 2**20
+
+
+class FixedPlanner:
+    """Stands in for tools.plan's Planner (which traces diffusers models): fixed working peaks per
+    (stage, setting), in MiB, and 1 MiB of inputs per stage."""
+
+    def __init__(self, peaks_mib: dict, unet_mib: int = 1600, vae_mib: int = 160):
+        self.weights = {"text_encoder": 235 * MiB, "unet": unet_mib * MiB, "vae": vae_mib * MiB}
+        self._peaks = peaks_mib
+        self.asked = []
+
+    def predict(self, stage, setting, width, height):
+        self.asked.append((stage, setting.name, width, height))
+        return StagePrediction(stage, setting.name, max(width, height), self._peaks[stage, setting.name] * MiB,
+                               MiB, 0, "op")
+
+
+PEAKS = {
+    (UNET_STEP, "sdpa, CFG batch 2"): 3000,
+    (UNET_STEP, "low memory 256 MiB, sub_quadratic"): 700,
+    (VAE_DECODE, "untiled, sdpa"): 5000,
+    (VAE_DECODE, "tiled 512 px"): 900,
+    (VAE_DECODE, "tiled 256 px"): 400,
+}
+
+
+def test_stock_cell_adds_what_is_allocated_weights_inputs_and_the_larger_stage():
+    planner = FixedPlanner(PEAKS)
+    peak, settings = bench.predict_cell(planner, bench.STOCK, 1024, 10 * MiB, 8192 * MiB, weights_on_device=True)
+    assert peak == (10 + 160 + 1 + 5000) * MiB  # the untiled decode beats the UNet step's 10 + 1600 + 1 + 3000
+    assert settings == "sdpa, CFG batch 2; VAE untiled, sdpa"
+    assert {(stage, w) for stage, _, w, _ in planner.asked} == {(UNET_STEP, 1024), (VAE_DECODE, 1024)}
+
+
+def test_sdopt_cell_keeps_the_offload_budget_of_unet_weights_and_the_first_vae_tile_that_fits():
+    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1500 * MiB, weights_on_device=True)
+    # UNet: 1024 of its 1600 MiB resident, + 1 + 700; VAE: untiled (160 + 1 + 5000) is over, 512 px tiles fit.
+    assert peak == max(1024 + 1 + 700, 160 + 1 + 900) * MiB
+    assert settings == "low memory 256 MiB, sub_quadratic; VAE tiled 512 px"
+    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True)
+    assert settings.endswith("VAE tiled 256 px") and peak == (1024 + 1 + 700) * MiB
+
+
+def test_on_a_cpu_the_weights_are_already_in_what_is_allocated():
+    peak, _ = bench.predict_cell(FixedPlanner(PEAKS), bench.STOCK, 1024, 2000 * MiB, 16000 * MiB, weights_on_device=False)
+    assert peak == (2000 + 1 + 5000) * MiB
+
+
+def test_cells_predicted_over_budget_run_only_when_confirmed_on_a_gpu():
+    assert bench.should_run(100, 100, confirm=False, on_gpu=False)
+    assert not bench.should_run(101, 100, confirm=False, on_gpu=True)
+    assert bench.should_run(101, 100, confirm=True, on_gpu=True)
+    assert not bench.should_run(101, 100, confirm=True, on_gpu=False), "never on a CPU: the OOM killer, not an exception"
+
+
+def _row(size, stack, status, seconds=None, peak=None, predicted=1000, budget=8192, **extra):
+    return bench.ResolutionRow(
+        size=size, stack=stack, status=status, predicted_peak_bytes=predicted * MiB, budget_bytes=budget * MiB,
+        predicted_settings="s", model="sdopt-full-sd15", steps=4, device="cuda:0", memory_kind=MEMORY_VRAM,
+        seconds=seconds, sampler_s=seconds and seconds * 0.8, decode_s=seconds and seconds * 0.2,
+        peak_memory_bytes=peak and peak * MiB, vram_cap_bytes=8192 * MiB, **extra)
+
+
+ROWS = [
+    _row(1024, "stock", "ok", 2.5, 3000, predicted=3100),
+    _row(1024, "sdopt", "ok", 3.5, 1800, predicted=1900, psnr_vs_stock_db=72.25,
+         notes="SDOptOffload: budget 1,024 MiB: 1,024.0 of 1,640.0 MiB of weights resident"),
+    _row(2048, "stock", "predicted OOM", predicted=12000),
+    _row(2048, "sdopt", "out of memory", predicted=9000, notes="CUDA out of memory. Tried to allocate 2.00 GiB"),
+]
+
+
+def test_table_puts_stock_beside_sdopt_per_size_and_says_why_cells_did_not_run():
+    table = bench.resolutions_table(ROWS)
+    assert "sdopt-full-sd15 on cuda:0, 4 steps, VRAM capped at 8,192.0 MiB" in table
+    lines = [line for line in table.splitlines() if line.startswith("| 1024") or line.startswith("| 2048")]
+    assert lines[0] == ("| 1024x1024 | 2.50 | 3,000.0 | ok | 3,100.0 ≤ 8,192.0 | 3.50 | 1,800.0 | ok | 1,900.0 ≤ 8,192.0 "
+                        "| 72.2 |")
+    assert lines[1] == ("| 2048x2048 | — | - | predicted OOM | 12,000.0 > 8,192.0 | — | - | out of memory "
+                        "| 9,000.0 > 8,192.0 | — |")
+    assert "- sdopt at 1024 px: SDOptOffload: budget 1,024 MiB" in table
+    assert "- sdopt at 2048 px: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB" in table
+
+
+def test_rows_round_trip_through_json():
+    loaded = json.loads(json.dumps([row.to_dict() for row in ROWS]))
+    assert [bench.ResolutionRow(**data) for data in loaded] == ROWS
+    assert {"size", "stack", "status", "seconds", "peak_memory_bytes", "predicted_peak_bytes", "budget_bytes",
+            "psnr_vs_stock_db", "vram_cap_bytes"} <= set(loaded[0])
+
+
+def test_heatmap_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "resolutions.png"
+    assert bench.save_heatmap(ROWS, path) is None
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_heatmap_without_a_single_run_cell(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "none-ran.png"
+    assert bench.save_heatmap(ROWS[2:3], path) is None and path.exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--sizes", "100"], "--sizes: 100 px must be a positive multiple of 64"),
+    (["--sizes", "512", "--steps", "0"], "--steps must be >= 1, not 0"),
+    (["--vram-cap", "lots"], "--vram-cap: 'lots' is not a size"),
+])
+def test_cli_rejects_bad_options_before_booting_comfyui(capsys, tmp_path, argv, message):
+    assert main(["bench", "resolutions", "--comfyui", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sdopt: error: ") and message in err

@@ -1,0 +1,317 @@
+"""``python -m sdopt bench resolutions``: stock ComfyUI against sdopt's low-memory stack, per image size.
+
+One process, one booted ComfyUI, one checkpoint, ComfyUI's own KSampler (``common_ksampler``, as in
+``bench speed``). Each cell is one size and one stack:
+
+- **stock**: checkpoint → KSampler → VAEDecode;
+- **sdopt**: the same, with the model through SDOptLowMemory (256 MiB) and SDOptOffload (budget,
+  1024 MiB of UNet weights in VRAM; a recorded no-op on a CPU) and the VAE through SDOptTiledVAE
+  (auto tile, only when the untiled decode would not fit).
+
+Before a cell runs, ``tools.plan``'s planner predicts its peak (UNet step and VAE decode under the
+stack's settings, from fake tensors) in the terms the cell's peak is measured in: what is allocated
+before it (models unloaded first; on a CPU the process RSS, weights included), plus the weights the
+stage loads onto a GPU, its inputs and its working peak. A cell predicted over the budget (the
+``--vram-cap``, else the GPU's memory; on a CPU the RSS plus the free RAM) is marked "predicted OOM"
+and not run; with ``confirm`` it runs anyway on a GPU, never on a CPU, where running out of memory
+can take the machine down. A cell that runs records the sampler plus decode time and the peak
+memory (VRAM allocated on CUDA, process RSS on a CPU), or "out of memory". The prediction is an
+upper bound where ComfyUI adapts on its own: it counts stock's UNet weights fully resident (ComfyUI
+loads them partly when VRAM is short) and models stock attention as sdpa (ComfyUI's CPU attention
+sizes its slices from free memory).
+"""
+from __future__ import annotations
+
+import gc
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..errors import UserError
+from ..measure.profiler import MEMORY_LABELS, PeakMemory, format_mib
+from ..measure.report import markdown_table
+from ..optim.precision import DTYPES
+from ..optim.tiled_vae import free_memory
+from .bench_attention import trim_heap
+from .bench_speed import PROMPT, optimization_notes, profiled_sample, timed_decode
+from .bench_unet import checkpoint_path
+from .bench_vae import psnr
+from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, _lowmem, architecture
+
+STOCK, SDOPT = "stock", "sdopt"
+STACKS = {
+    STOCK: "CheckpointLoader → KSampler → VAEDecode",
+    SDOPT: "LowMemory(256 MiB) → Offload(budget 1024 MiB) → KSampler → TiledVAE(auto) → VAEDecode",
+}
+OK, OUT_OF_MEMORY, PREDICTED_OOM = "ok", "out of memory", "predicted OOM"
+LOWMEM_BUDGET_MB, OFFLOAD_BUDGET_MB = 256, 1024
+_MiB = 2**20
+
+
+@dataclass(frozen=True)
+class ResolutionRow:
+    """One cell: ``size`` x ``size`` pixels through one stack. Times and peaks are None where it did not run."""
+
+    size: int
+    stack: str
+    status: str
+    predicted_peak_bytes: int
+    budget_bytes: int
+    predicted_settings: str
+    model: str
+    steps: int
+    device: str
+    memory_kind: str
+    seconds: float | None = None  # sampler + decode
+    sampler_s: float | None = None
+    decode_s: float | None = None
+    peak_memory_bytes: int | None = None
+    psnr_vs_stock_db: float | None = None  # the decoded image against stock's at this size
+    vram_cap_bytes: int | None = None  # --vram-cap in force
+    notes: str = ""
+
+    @property
+    def predicted_fits(self) -> bool:
+        return self.predicted_peak_bytes <= self.budget_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def should_run(predicted_peak_bytes: int, budget_bytes: int, confirm: bool, on_gpu: bool) -> bool:
+    """A cell runs when it is predicted to fit; one predicted not to only with ``confirm`` on a GPU,
+    where out of memory is an exception, not the kernel's OOM killer."""
+    return predicted_peak_bytes <= budget_bytes or (confirm and on_gpu)
+
+
+def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_bytes: int,
+                 weights_on_device: bool) -> tuple[int, str]:
+    """(predicted peak bytes, the settings it assumed) of one cell: the larger of the UNet step and
+    the VAE decode, each the ``allocated_bytes`` already there plus the weights it loads (when
+    ``weights_on_device``: a GPU), its inputs and its working peak. The tiled VAE takes the first
+    setting that fits, as its auto tile does."""
+    if stack == STOCK:
+        unet_setting, vae_settings, unet_weights = UNET_SETTINGS[0], VAE_SETTINGS[:1], planner.weights["unet"]
+    else:
+        unet_setting = _lowmem(LOWMEM_BUDGET_MB, "sub_quadratic")
+        vae_settings, unet_weights = VAE_SETTINGS, min(planner.weights["unet"], OFFLOAD_BUDGET_MB * _MiB)
+    loaded = {UNET_STEP: unet_weights, VAE_DECODE: planner.weights["vae"]} if weights_on_device else {UNET_STEP: 0, VAE_DECODE: 0}
+
+    def total(stage, setting):
+        p = planner.predict(stage, setting, size, size)
+        return allocated_bytes + loaded[stage] + p.input_bytes + p.peak_bytes
+
+    unet_peak = total(UNET_STEP, unet_setting)
+    for vae_setting in vae_settings:
+        vae_peak = total(VAE_DECODE, vae_setting)
+        if vae_peak <= budget_bytes:
+            break
+    return max(unet_peak, vae_peak), f"{unet_setting.name}; VAE {vae_setting.name}"
+
+
+def _stacks(host, model, vae) -> dict:
+    """{stack: (model, vae)} as the nodes a user would wire make them."""
+    node = host.node_classes
+    low_memory = node["SDOptLowMemory"]().patch(model, LOWMEM_BUDGET_MB, True, True)[0]
+    offloaded = node["SDOptOffload"]().patch(low_memory, "budget", OFFLOAD_BUDGET_MB, "fallback")[0]
+    tiled = node["SDOptTiledVAE"]().apply(vae, 0, 0, True, 0)[0]
+    return {STOCK: (model, vae), SDOPT: (offloaded, tiled)}
+
+
+def _oom_errors(model_management) -> tuple[type[BaseException], ...]:
+    comfy_oom = getattr(model_management, "OOM_EXCEPTION", None)
+    # ComfyUI falls back to plain Exception where torch has no CUDA OOM type: that would catch every error.
+    own = (comfy_oom,) if isinstance(comfy_oom, type) and comfy_oom is not Exception else ()
+    return (torch.OutOfMemoryError, *own)
+
+
+def _release(model_management, memory: PeakMemory) -> int:
+    """Unload every model and free cached memory; what stays allocated (VRAM, or the process RSS)."""
+    model_management.unload_all_models()
+    model_management.soft_empty_cache()
+    gc.collect()
+    if memory.device.type != "cuda":
+        trim_heap()
+    memory.reset()
+    return memory.read().peak_bytes
+
+
+def _budget(host, memory: PeakMemory, allocated_bytes: int) -> int:
+    if memory.device.type == "cuda":
+        return host.vram_cap_bytes or torch.cuda.mem_get_info(memory.device)[1]
+    return allocated_bytes + free_memory("cpu")
+
+
+def _run_cell(host, model, vae, memory: PeakMemory, size: int, conds, steps: int, label: str):
+    """(image, sampler s, decode s, peak bytes, notes) of one cell."""
+    from comfy_execution.utils import CurrentNodeContext
+
+    latent = {"samples": torch.zeros(1, 4, size // 8, size // 8)}
+    prompt_id = f"bench-{uuid.uuid4().hex}"
+    with CurrentNodeContext(prompt_id, "1"):  # the tiled VAE files its records under this prompt
+        samples, run, _ = profiled_sample(host, model, label, latent, conds, steps)
+        image, decode_s = timed_decode(vae, samples)
+    # The profiler's run reset the peak when sampling began; this reading covers sampling and decode.
+    peak = max(run["peak_memory_bytes"], memory.read().peak_bytes)
+    records = run["optimizations"] + host.pack("nodes.glue").prompt_log(prompt_id).records
+    return image, run["sampler_total_s"], decode_s, peak, optimization_notes(records)
+
+
+@torch.inference_mode()
+def bench_resolutions(
+    comfyui: Path,
+    model: str = "mini",
+    sizes: list[int] = (512, 1024, 2048),
+    steps: int = 4,
+    vram_cap: int | None = None,
+    confirm: bool = False,
+    models: Path | None = None,
+    progress: bool = True,
+) -> list[ResolutionRow]:
+    """Rows per size, stock then sdopt."""
+    from .headless import boot
+
+    if not sizes:
+        raise UserError("--sizes: give at least one image side, e.g. 512,1024")
+    for size in sizes:
+        if size < 64 or size % 64:
+            raise UserError(f"--sizes: {size} px must be a positive multiple of 64")
+    if steps < 1:
+        raise UserError(f"--steps must be >= 1, not {steps}")
+    host = boot(comfyui, vram_cap)
+    import comfy.model_management as mm
+    import comfy.sd
+    import nodes
+
+    path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
+    base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
+    dtype_names = {dtype: name for name, dtype in DTYPES.items()}
+    on_gpu = base.load_device.type == "cuda"
+    planner = Planner(architecture(str(path)), dtype_names.get(base.model.get_dtype(), "fp16"), "cuda" if on_gpu else "cpu")
+    encode = nodes.CLIPTextEncode().encode
+    conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
+    stacks = _stacks(host, base, vae)
+    memory = PeakMemory(base.load_device)
+    oom_errors = _oom_errors(mm)
+    rows, stock_images = [], {}
+    cells = [(size, stack) for size in sizes for stack in (STOCK, SDOPT)]
+    bar = tqdm(cells, desc=f"resolutions {path.stem} {steps} steps", unit="cell", disable=not progress)
+    for size, stack in bar:
+        bar.set_postfix_str(f"{size} px {stack}")
+        allocated = _release(mm, memory)
+        budget = _budget(host, memory, allocated)
+        predicted, settings = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu)
+        row = dict(size=size, stack=stack, predicted_peak_bytes=predicted, budget_bytes=budget, predicted_settings=settings,
+                   model=path.stem, steps=steps, device=str(base.load_device), memory_kind=memory.kind,
+                   vram_cap_bytes=host.vram_cap_bytes)
+        if not should_run(predicted, budget, confirm, on_gpu):
+            why = "" if on_gpu or not confirm else "not confirmed: on a CPU, running out of memory can take the machine down"
+            rows.append(ResolutionRow(status=PREDICTED_OOM, notes=why, **row))
+            continue
+        try:
+            image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[stack], memory, size, conds, steps, stack)
+        except oom_errors as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            rows.append(ResolutionRow(status=OUT_OF_MEMORY, notes=reason, **row))
+            continue
+        if stack == STOCK:
+            stock_images[size] = image
+        # Decoded images are in [0, 1]; psnr takes decoder outputs in [-1, 1].
+        similarity = psnr(image * 2 - 1, stock_images[size] * 2 - 1) if stack == SDOPT and size in stock_images else None
+        rows.append(ResolutionRow(status=OK, seconds=sampler_s + decode_s, sampler_s=sampler_s, decode_s=decode_s,
+                                  peak_memory_bytes=peak, psnr_vs_stock_db=similarity, notes=notes, **row))
+    _release(mm, memory)
+    return rows
+
+
+def _cell_text(row: ResolutionRow | None) -> list[str]:
+    """[seconds, peak, status, predicted] of one cell for the table."""
+    if row is None:
+        return ["—"] * 4
+    predicted = f"{format_mib(row.predicted_peak_bytes)} {'≤' if row.predicted_fits else '>'} {format_mib(row.budget_bytes)}"
+    seconds = "—" if row.seconds is None else f"{row.seconds:.2f}"
+    return [seconds, format_mib(row.peak_memory_bytes), row.status, predicted]
+
+
+def resolutions_table(rows: list[ResolutionRow]) -> str:
+    """One line per size, stock beside sdopt, then the stacks and what the sdopt nodes did."""
+    if not rows:
+        return "no cells"
+    memory = MEMORY_LABELS[rows[0].memory_kind]
+    headers = ["size"]
+    for stack in (STOCK, SDOPT):
+        headers += [f"{stack} s", f"{stack} peak MiB {memory}", f"{stack} status", f"{stack} predicted / budget MiB"]
+    headers.append("sdopt PSNR vs stock dB")
+    cells = {(r.size, r.stack): r for r in rows}
+    body = []
+    for size in dict.fromkeys(r.size for r in rows):
+        sdopt = cells.get((size, SDOPT))
+        similarity = "—" if sdopt is None or sdopt.psnr_vs_stock_db is None else f"{sdopt.psnr_vs_stock_db:.1f}"
+        body.append([f"{size}x{size}", *_cell_text(cells.get((size, STOCK))), *_cell_text(sdopt), similarity])
+    first = rows[0]
+    cap = f", VRAM capped at {format_mib(first.vram_cap_bytes)} MiB" if first.vram_cap_bytes else ""
+    lines = [f"{first.model} on {first.device}, {first.steps} steps{cap}; time = sampler + VAE decode", ""]
+    lines += markdown_table(headers, body, right={1, 2, 4, 5, 6, 8, 9})
+    lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in STACKS.items())]
+    ran = next((r for r in rows if r.stack == SDOPT and r.status == OK and r.notes), None)
+    if ran is not None:
+        lines.append(f"- sdopt at {ran.size} px: {ran.notes}")
+    lines += [f"- {r.stack} at {r.size} px: {r.status}: {r.notes}" for r in rows if r.status != OK and r.notes]
+    return "\n".join(lines)
+
+
+def save_heatmap(rows: list[ResolutionRow], path: Path) -> str | None:
+    """A heatmap (rows stock and sdopt, columns sizes, colour = seconds, text = seconds and peak;
+    cells that did not run hatched and named); None, or why not (no matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.colors import LogNorm
+        from matplotlib.patches import Rectangle
+        from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+    except ImportError:
+        return "no plot: pip install matplotlib"
+    import numpy as np
+
+    sizes = list(dict.fromkeys(r.size for r in rows))
+    stacks = (STOCK, SDOPT)
+    cells = {(r.stack, r.size): r for r in rows}
+    seconds = np.full((len(stacks), len(sizes)), np.nan)
+    for (stack, size), row in cells.items():
+        if row.seconds is not None:
+            seconds[stacks.index(stack), sizes.index(size)] = row.seconds
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + 1.5 * len(sizes)), 2.8))
+    colours = plt.get_cmap("viridis").with_extremes(bad="#eeeeee")
+    measured = seconds[~np.isnan(seconds)]
+    # Times grow about with the pixel count, so a log scale keeps the small sizes apart.
+    norm = LogNorm(vmin=measured.min(), vmax=max(measured.max(), measured.min() * 1.01)) if measured.size else None
+    image = ax.imshow(np.ma.masked_invalid(seconds), cmap=colours, norm=norm, aspect="auto")
+    for (stack, size), row in cells.items():
+        y, x = stacks.index(stack), sizes.index(size)
+        if row.seconds is None:
+            ax.add_patch(Rectangle((x - 0.5, y - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#d99", linewidth=0))
+            ax.text(x, y, f"{row.status}\npredicted {format_mib(row.predicted_peak_bytes)} MiB", ha="center", va="center",
+                    fontsize=8, color="#a22", bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.9})
+        else:
+            colour = "white" if norm is not None and norm(row.seconds) < 0.5 else "black"
+            ax.text(x, y, f"{row.seconds:.2f} s\n{format_mib(row.peak_memory_bytes)} MiB", ha="center", va="center",
+                    fontsize=8, color=colour)
+    ax.set_xticks(range(len(sizes)), [f"{s}²" for s in sizes])
+    ax.set_yticks(range(len(stacks)), list(stacks))
+    memory = MEMORY_LABELS[rows[0].memory_kind]
+    ax.set_title(f"{rows[0].model} on {rows[0].device}: sampler + decode time, peak {memory}", fontsize=9)
+    if norm is not None:
+        bar = fig.colorbar(image, ax=ax, label="seconds")
+        # Ticks at 1, 2, 5, 10, … written as such, not as 2×10⁰.
+        bar.ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        bar.ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        bar.ax.yaxis.set_minor_formatter(NullFormatter())
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
