@@ -427,7 +427,7 @@ class FastPath:
 
     def _runner(self, unet, options: dict):
         from ..optim.compile import ArtifactCache, compile_forward
-        from ..optim.cuda_graph import GraphedFunction
+        from ..optim.cuda_graph import GraphedFunction, module_weights
 
         key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS))
         if key in self.runners and self.runners[key][0] is unet:
@@ -444,7 +444,7 @@ class FastPath:
                 self.cold_compile_seconds = cache.cold_compile_seconds()
         graphed = None
         if self.graph_config is not None:
-            graphed = GraphedFunction(fn, lambda: [*unet.parameters(), *unet.buffers()], self.graph_config)
+            graphed = GraphedFunction(fn, module_weights(unet), self.graph_config)
             fn = graphed
         self.runners[key] = (unet, fn, compiled, graphed, cache)
         return fn, compiled, graphed, cache

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from sdopt.optim.cuda_graph import GraphConfig, GraphedFunction, graphs_unavailable_reason
+from sdopt.optim.cuda_graph import GraphConfig, GraphedFunction, graphs_unavailable_reason, module_weights
 from sdopt.optim.cuda_graph import Captured
 
 
@@ -60,7 +60,7 @@ class Net(torch.nn.Module):
 
 def graphed(net, **config):
     backend = RerunBackend(net)
-    return GraphedFunction(net, net.parameters, GraphConfig(**config), backend=backend), backend
+    return GraphedFunction(net, module_weights(net), GraphConfig(**config), backend=backend), backend
 
 
 def inputs(size=8, batch=2, seed=0):
@@ -156,6 +156,17 @@ def test_without_cuda_the_default_backend_runs_eagerly():
     fn = GraphedFunction(net, net.parameters)
     torch.testing.assert_close(fn(*inputs()), net(*inputs()), **EXACT)
     assert fn.stats.eager_reasons == {graphs_unavailable_reason(torch.device("cpu")): 1}
+
+
+def test_module_weights_reread_replaced_parameters_and_buffers():
+    net = torch.nn.Sequential(Net(), torch.nn.BatchNorm1d(4))
+    weights = module_weights(net)
+    assert sorted(map(id, weights())) == sorted(map(id, [*net.parameters(), *net.buffers()]))
+    new = torch.nn.Parameter(net[0].conv.weight * 2)
+    net[0].conv.weight = new
+    assert any(t is new for t in weights())
+    net[1].running_mean = torch.ones(4)
+    assert any(t is net[1].running_mean for t in weights())
 
 
 def test_config_rejects_nonsense():
