@@ -14,11 +14,10 @@ baseline holds the interpreter, the libraries, the weights, the inputs and what 
 library sets up once (oneDNN primitives, OpenMP threads, MKL buffers: 60-120 MiB, which `bench vae`
 leaves in its baseline too): the measured figure is what the planner predicts, the stage's working
 memory. glibc's heap reuse makes that figure vary by about 15% from one fresh process to the next,
-so ``check_predictions`` (``python -m sdopt.tools.plan --check``) takes the median of several.
+so ``check_predictions`` (``python -m sdopt plan --check``) takes the median of several.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -352,7 +351,16 @@ def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str
 
 
 def run_plan(args) -> None:
-    """The ``plan`` command: print the tables, write the JSON with ``--json``."""
+    """The ``plan`` command: print the tables, write the JSON with ``--json``; with ``--check``, the
+    predictions of ``CHECK_CASES`` against real runs instead."""
+    if args.check:
+        if args.repeats < 1:
+            raise UserError(f"--repeats must be at least 1, not {args.repeats}")
+        rows = check_predictions([case for case in CHECK_CASES if case[2] <= args.max_size], args.repeats)
+        print(check_table(rows))
+        if args.json:
+            args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=2))
+        return
     budget = parse_bytes(args.budget, "--budget")
     plan = make_plan(args.model, args.width, args.height, budget, dtype=args.dtype, workspace=args.workspace,
                      search=not args.no_search)
@@ -466,23 +474,8 @@ def check_table(rows: list[CheckRow]) -> str:
 
 
 def _main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sdopt.tools.plan", description=(
-        "--check: the planner's predicted working peaks against the peak RSS growth of real runs (CPU, fp32). "
-        "A JSON argument: measure that one stage here (what measure_stage runs in its fresh process)."))
-    parser.add_argument("spec", nargs="?", help=argparse.SUPPRESS)
-    parser.add_argument("--check", action="store_true", help="predict and measure every case")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh processes measured per case (the median counts)")
-    parser.add_argument("--max-size", type=int, default=max(size for _, _, size in CHECK_CASES),
-                        help="leave out the cases above this side (the untiled 2048 px decode needs 16 GiB)")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON")
-    args = parser.parse_args(argv)
-    if not args.check:
-        print(json.dumps(_measure_here(json.loads(args.spec))))
-        return
-    rows = check_predictions([case for case in CHECK_CASES if case[2] <= args.max_size], args.repeats)
-    print(check_table(rows))
-    if args.json:
-        args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=2))
+    """``measure_stage``'s fresh process: measure the one stage its JSON argument names, print the result."""
+    print(json.dumps(_measure_here(json.loads(argv[0]))))
 
 
 if __name__ == "__main__":

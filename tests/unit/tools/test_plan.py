@@ -73,3 +73,15 @@ def test_vae_decode_prediction_matches_measured_rss_at_512():
     predicted = predict_peak(fn, *inputs, mode=mode).peak_bytes
     measured = measure_stage("full", VAE_DECODE, 512, 512)
     assert abs(predicted - measured) <= PREDICTION_TOLERANCE * measured, (predicted / 2**20, measured / 2**20)
+
+
+def test_check_prints_predicted_against_measured(capsys, tmp_path, monkeypatch):
+    from sdopt.tools import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "CHECK_CASES", (("mini", plan_module.UNET_STEP, 64), ("mini", plan_module.UNET_STEP, 4096)))
+    assert main(["plan", "--check", "--repeats", "1", "--max-size", "128", "--json", str(tmp_path / "c.json")]) == 0
+    (row,) = json.loads((tmp_path / "c.json").read_text())
+    assert (row["model"], row["size"]) == ("mini", 64) and len(row["measured_bytes"]) == 1, "the 4096 case is left out"
+    assert row["predicted_bytes"] > 0 and row["median_bytes"] > 0
+    assert "| mini unet" in capsys.readouterr().out.lower()
+    assert "--repeats" in _one_line_error(capsys, ["plan", "--check", "--repeats", "0"])
