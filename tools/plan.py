@@ -4,8 +4,9 @@ The text encoder, UNet and VAE are built from ``modelgen``'s architecture (diffu
 ``UNet2DConditionModel`` and ``AutoencoderKL``, transformers' ``CLIPTextModel``) on the meta device
 and given fake weights, so nothing is allocated and nothing runs: ``optim.memory_plan`` traces each
 stage (text encode, one UNet step with CFG, VAE decode, VAE encode) at the requested size under
-each candidate setting, fastest first. A stage needs its weights resident (all three models, or
-with ``model`` offload only its own), its inputs, and its working peak.
+each candidate setting, fastest first. A stage needs its weights resident (all three models; with
+``model`` offload only its own; with ``sequential``, sdopt Offload's mode, the UNet step holds only
+the few layers being streamed), its inputs, and its working peak.
 
 ``measure_stage`` runs the same stage for real (random weights) in a fresh process and returns the
 growth of its peak RSS: VmHWM after the stage minus the RSS before it, the high-water mark reset
@@ -53,7 +54,11 @@ from .modelgen import (
 MODELS = ("mini", "full")
 TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE = "text encode", "UNet step", "VAE decode", "VAE encode"
 STAGES = (TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE)
-OFFLOADS = ("none", "model")  # none: all three models resident; model: only the running stage's
+# none: all three models resident; model: only the running stage's (ComfyUI unloads the others when
+# short); sequential: that, with the UNet streamed layer by layer (sdopt Offload's sequential mode)
+OFFLOADS = ("none", "model", "sequential")
+# A streamed UNet holds the layer that runs and the copies in flight on ComfyUI's two async offload streams.
+_STREAMED_LAYERS = 3
 PROMPT_TOKENS = 77
 SEARCH_LIMIT = 8192  # largest square side searched, in pixels
 _MiB = 2**20
@@ -135,6 +140,7 @@ class Plan:
     low_memory: list[StagePrediction] = field(default_factory=list)
     chosen: list[StagePrediction] = field(default_factory=list)
     offload: str | None = None
+    streamed_unet_bytes: int = 0
     searched: bool = False
     largest_square: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -143,6 +149,7 @@ class Plan:
         return {
             "model": self.model, "width": self.width, "height": self.height, "dtype": self.dtype,
             "budget_bytes": self.budget_bytes, "weights_bytes": self.weights, "offload": self.offload,
+            "streamed_unet_bytes": self.streamed_unet_bytes,
             "fits": self.offload is not None,
             "largest_square": self.largest_square if self.searched else "not searched",
             "stock": [p.to_dict() for p in self.stock], "low_memory": [p.to_dict() for p in self.low_memory],
@@ -151,7 +158,7 @@ class Plan:
         }
 
     def total(self, p: StagePrediction, offload: str) -> int:
-        return _resident(self.weights, p.stage, offload) + p.input_bytes + p.peak_bytes
+        return _resident(self.weights, p.stage, offload, self.streamed_unet_bytes) + p.input_bytes + p.peak_bytes
 
 
 def _all_weights(weights: dict[str, int]) -> int:
@@ -161,8 +168,12 @@ def _all_weights(weights: dict[str, int]) -> int:
 _STAGE_MODEL = {TEXT_ENCODE: "text_encoder", UNET_STEP: "unet", VAE_DECODE: "vae", VAE_ENCODE: "vae"}
 
 
-def _resident(weights: dict[str, int], stage: str, offload: str) -> int:
-    return weights[_STAGE_MODEL[stage]] if offload == "model" else _all_weights(weights)
+def _resident(weights: dict[str, int], stage: str, offload: str, streamed_unet_bytes: int) -> int:
+    if offload == "none":
+        return _all_weights(weights)
+    if offload == "sequential" and stage == UNET_STEP:
+        return streamed_unet_bytes
+    return weights[_STAGE_MODEL[stage]]
 
 
 # --- models ----------------------------------------------------------------------------------------
@@ -251,6 +262,8 @@ class Planner:
         self.mode = fake_tensor_mode()
         self.modules = {name: fake_module(m, self.mode, "cpu", self.dtype) for name, m in build_modules(size).items()}
         self.weights = {name: module_bytes(m) for name, m in self.modules.items()}
+        layers = [m for m in self.modules["unet"].modules() if next(m.children(), None) is None]
+        self.streamed_unet_bytes = _STREAMED_LAYERS * max(module_bytes(m) for m in layers)
         self._cache: dict[tuple, StagePrediction] = {}
 
     def _make(self, shape, dtype):
@@ -300,12 +313,12 @@ class Planner:
     def first_fitting(self, stage: str, width: int, height: int, budget: int, offload: str) -> StagePrediction | None:
         for setting in SETTINGS[stage]:
             p = self.predict(stage, setting, width, height)
-            if _resident(self.weights, stage, offload) + p.input_bytes + p.peak_bytes <= budget:
+            if _resident(self.weights, stage, offload, self.streamed_unet_bytes) + p.input_bytes + p.peak_bytes <= budget:
                 return p
         return None
 
     def fits_with_search_settings(self, side: int, budget: int) -> bool:
-        return all(_resident(self.weights, stage, OFFLOADS[-1]) + p.input_bytes + p.peak_bytes <= budget
+        return all(_resident(self.weights, stage, OFFLOADS[-1], self.streamed_unet_bytes) + p.input_bytes + p.peak_bytes <= budget
                    for stage in STAGES for p in [self.predict(stage, SEARCH_SETTINGS[stage], side, side)])
 
     def fits(self, width: int, height: int, budget: int, offload: str) -> list[StagePrediction] | None:
@@ -326,13 +339,13 @@ def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str
               search: bool = True) -> Plan:
     """Predictions for every stage (stock and low-memory settings), the fastest settings that fit the
     budget (without offload if possible) and, with ``search``, the largest square side (multiple of
-    64) that fits with ``SEARCH_SETTINGS`` and model offload."""
+    64) that fits with ``SEARCH_SETTINGS`` and the UNet streamed (sequential offload)."""
     for name, value in (("--width", width), ("--height", height)):
         if value < 64 or value % 64:
             raise UserError(f"{name}: {value} px must be a positive multiple of 64")
     size = architecture(model)
     planner = Planner(size, dtype, workspace)
-    plan = Plan(model, width, height, dtype, budget_bytes, planner.weights)
+    plan = Plan(model, width, height, dtype, budget_bytes, planner.weights, streamed_unet_bytes=planner.streamed_unet_bytes)
     plan.stock = [planner.predict(stage, SETTINGS[stage][0], width, height) for stage in STAGES]
     plan.low_memory = [planner.predict(stage, SEARCH_SETTINGS[stage], width, height) for stage in STAGES]
     for offload in OFFLOADS:
@@ -378,16 +391,19 @@ def plan_table(plan: Plan) -> str:
     lines += markdown_table(["stage", "stock", "working peak MiB", "low memory", "working peak MiB"], rows, right={2, 4})
     lines.append("")
     if plan.offload:
+        if plan.offload == "sequential":
+            lines.append(f"sequential: the UNet streamed layer by layer (sdopt Offload, mode sequential), "
+                         f"{mib(plan.streamed_unet_bytes)} MiB of its weights resident at a time")
         rows = [[p.stage, p.setting, plan.offload, mib(p.peak_bytes), mib(plan.total(p, plan.offload))] for p in plan.chosen]
         lines.append(f"plan that fits {mib(plan.budget_bytes)} MiB:")
         lines += markdown_table(["stage", "settings", "offload", "working peak MiB", "total MiB (weights + inputs + peak)"],
                                 rows, right={3, 4})
     else:
-        lines.append(f"nothing fits {mib(plan.budget_bytes)} MiB at {plan.width}x{plan.height}, even with the low-memory settings and model offload")
+        lines.append(f"nothing fits {mib(plan.budget_bytes)} MiB at {plan.width}x{plan.height}, even with the low-memory settings and sequential offload")
     if plan.searched:
         side = plan.largest_square
         lines.append("")
-        lines.append(f"largest square that fits (low memory 64 MiB UNet, 256 px VAE tiles, model offload): {f'{side}x{side}' if side else 'none'}")
+        lines.append(f"largest square that fits (low memory 64 MiB UNet, 256 px VAE tiles, sequential offload): {f'{side}x{side}' if side else 'none'}")
     lines += [""] + [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 from sdopt.optim.memory_plan import fake_module, fake_tensor, fake_tensor_mode, predict_peak  # noqa: E402
-from sdopt.tools.plan import VAE_DECODE, architecture, build_modules, measure_stage, stage_call  # noqa: E402
+from sdopt.tools.plan import SETTINGS, UNET_STEP, VAE_DECODE, Planner, architecture, build_modules, measure_stage, stage_call  # noqa: E402
 
 # The planner's target: predicted peak within 20% of the measured peak RSS growth (CPU, fp32).
 PREDICTION_TOLERANCE = 0.20
@@ -85,3 +85,12 @@ def test_check_prints_predicted_against_measured(capsys, tmp_path, monkeypatch):
     assert row["predicted_bytes"] > 0 and row["median_bytes"] > 0
     assert "| mini unet" in capsys.readouterr().out.lower()
     assert "--repeats" in _one_line_error(capsys, ["plan", "--check", "--repeats", "0"])
+
+
+def test_sequential_offload_streams_the_unet_when_its_weights_do_not_fit():
+    planner = Planner("mini")
+    predictions = [planner.predict(UNET_STEP, setting, 128, 128) for setting in SETTINGS[UNET_STEP]]
+    budget = planner.streamed_unet_bytes + min(p.input_bytes + p.peak_bytes for p in predictions)
+    assert 0 < planner.streamed_unet_bytes < planner.weights["unet"]
+    assert planner.first_fitting(UNET_STEP, 128, 128, budget, "model") is None
+    assert planner.first_fitting(UNET_STEP, 128, 128, budget, "sequential") is not None
