@@ -42,12 +42,17 @@ from .bench_vae import psnr
 from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, _lowmem, architecture
 
 STOCK, SDOPT = "stock", "sdopt"
-STACKS = {
-    STOCK: "CheckpointLoader → KSampler → VAEDecode",
-    SDOPT: "LowMemory(256 MiB) → Offload(budget 1024 MiB) → KSampler → TiledVAE(auto) → VAEDecode",
-}
 OK, OUT_OF_MEMORY, PREDICTED_OOM = "ok", "out of memory", "predicted OOM"
 LOWMEM_BUDGET_MB, OFFLOAD_BUDGET_MB = 256, 1024
+
+
+def stack_chains(offload_mb: int) -> dict[str, str]:
+    """What each stack wires; ``offload_mb`` 0 streams the whole UNet (Offload's sequential mode)."""
+    offload = f"budget {offload_mb} MiB" if offload_mb else "sequential"
+    return {
+        STOCK: "CheckpointLoader → KSampler → VAEDecode",
+        SDOPT: f"LowMemory({LOWMEM_BUDGET_MB} MiB) → Offload({offload}) → KSampler → TiledVAE(auto) → VAEDecode",
+    }
 _MiB = 2**20
 
 
@@ -71,6 +76,7 @@ class ResolutionRow:
     peak_memory_bytes: int | None = None
     psnr_vs_stock_db: float | None = None  # the decoded image against stock's at this size
     vram_cap_bytes: int | None = None  # --vram-cap in force
+    offload_mb: int = OFFLOAD_BUDGET_MB  # the sdopt stack's Offload budget; 0: sequential
     notes: str = ""
 
     @property
@@ -88,7 +94,7 @@ def should_run(predicted_peak_bytes: int, budget_bytes: int, confirm: bool, on_g
 
 
 def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_bytes: int,
-                 weights_on_device: bool) -> tuple[int, str]:
+                 weights_on_device: bool, offload_mb: int = OFFLOAD_BUDGET_MB) -> tuple[int, str]:
     """(predicted peak bytes, the settings it assumed) of one cell: the larger of the UNet step and
     the VAE decode, each the ``allocated_bytes`` already there plus the weights it loads (when
     ``weights_on_device``: a GPU), its inputs and its working peak. The tiled VAE takes the first
@@ -97,7 +103,8 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
         unet_setting, vae_settings, unet_weights = UNET_SETTINGS[0], VAE_SETTINGS[:1], planner.weights["unet"]
     else:
         unet_setting = _lowmem(LOWMEM_BUDGET_MB, "sub_quadratic")
-        vae_settings, unet_weights = VAE_SETTINGS, min(planner.weights["unet"], OFFLOAD_BUDGET_MB * _MiB)
+        resident = offload_mb * _MiB if offload_mb else planner.streamed_unet_bytes
+        vae_settings, unet_weights = VAE_SETTINGS, min(planner.weights["unet"], resident)
     loaded = {UNET_STEP: unet_weights, VAE_DECODE: planner.weights["vae"]} if weights_on_device else {UNET_STEP: 0, VAE_DECODE: 0}
 
     def total(stage, setting):
@@ -112,11 +119,11 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
     return max(unet_peak, vae_peak), f"{unet_setting.name}; VAE {vae_setting.name}"
 
 
-def _stacks(host, model, vae) -> dict:
+def _stacks(host, model, vae, offload_mb: int) -> dict:
     """{stack: (model, vae)} as the nodes a user would wire make them."""
     node = host.node_classes
     low_memory = node["SDOptLowMemory"]().patch(model, LOWMEM_BUDGET_MB, True, True)[0]
-    offloaded = node["SDOptOffload"]().patch(low_memory, "budget", OFFLOAD_BUDGET_MB, "fallback")[0]
+    offloaded = node["SDOptOffload"]().patch(low_memory, "budget" if offload_mb else "sequential", offload_mb, "fallback")[0]
     tiled = node["SDOptTiledVAE"]().apply(vae, 0, 0, True, 0)[0]
     return {STOCK: (model, vae), SDOPT: (offloaded, tiled)}
 
@@ -170,8 +177,9 @@ def bench_resolutions(
     confirm: bool = False,
     models: Path | None = None,
     progress: bool = True,
+    offload_mb: int = OFFLOAD_BUDGET_MB,
 ) -> list[ResolutionRow]:
-    """Rows per size, stock then sdopt."""
+    """Rows per size, stock then sdopt; ``offload_mb`` is the sdopt stack's Offload budget (0: sequential)."""
     from .headless import boot
 
     if not sizes:
@@ -181,6 +189,8 @@ def bench_resolutions(
             raise UserError(f"--sizes: {size} px must be a positive multiple of 64")
     if steps < 1:
         raise UserError(f"--steps must be >= 1, not {steps}")
+    if offload_mb < 0:
+        raise UserError(f"--offload-mb must be >= 0 (0 streams the whole UNet), not {offload_mb}")
     host = boot(comfyui, vram_cap)
     import comfy.model_management as mm
     import comfy.sd
@@ -193,7 +203,7 @@ def bench_resolutions(
     planner = Planner(architecture(str(path)), dtype_names.get(base.model.get_dtype(), "fp16"), "cuda" if on_gpu else "cpu")
     encode = nodes.CLIPTextEncode().encode
     conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
-    stacks = _stacks(host, base, vae)
+    stacks = _stacks(host, base, vae, offload_mb)
     memory = PeakMemory(base.load_device)
     oom_errors = _oom_errors(mm)
     rows, stock_images = [], {}
@@ -203,8 +213,9 @@ def bench_resolutions(
         bar.set_postfix_str(f"{size} px {stack}")
         allocated = _release(mm, memory)
         budget = _budget(host, memory, allocated)
-        predicted, settings = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu)
+        predicted, settings = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu, offload_mb=offload_mb)
         row = dict(size=size, stack=stack, predicted_peak_bytes=predicted, budget_bytes=budget, predicted_settings=settings,
+                   offload_mb=offload_mb,
                    model=path.stem, steps=steps, device=str(base.load_device), memory_kind=memory.kind,
                    vram_cap_bytes=host.vram_cap_bytes)
         if not should_run(predicted, budget, confirm, on_gpu):
@@ -255,7 +266,7 @@ def resolutions_table(rows: list[ResolutionRow]) -> str:
     cap = f", VRAM capped at {format_mib(first.vram_cap_bytes)} MiB" if first.vram_cap_bytes else ""
     lines = [f"{first.model} on {first.device}, {first.steps} steps{cap}; time = sampler + VAE decode", ""]
     lines += markdown_table(headers, body, right={1, 2, 4, 5, 6, 8, 9})
-    lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in STACKS.items())]
+    lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in stack_chains(first.offload_mb).items())]
     ran = next((r for r in rows if r.stack == SDOPT and r.status == OK and r.notes), None)
     if ran is not None:
         lines.append(f"- sdopt at {ran.size} px: {ran.notes}")

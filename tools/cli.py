@@ -104,7 +104,7 @@ def _bench_resolutions(args: argparse.Namespace) -> None:
     from .bench_resolutions import bench_resolutions, resolutions_table, save_heatmap
 
     rows = bench_resolutions(args.comfyui, model=args.model, sizes=args.sizes, steps=args.steps, vram_cap=_vram_cap(args),
-                             confirm=args.confirm, models=args.models)
+                             confirm=args.confirm, models=args.models, offload_mb=args.offload_mb)
     _print_rows(resolutions_table(rows), rows, args.json)
     if args.plot:
         print(save_heatmap(rows, args.plot) or f"wrote {args.plot}")
@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resolutions.add_argument("--sizes", type=_sizes, default=[512, 1024, 2048], help="comma-separated image sides in pixels")
     resolutions.add_argument("--steps", type=int, default=4)
+    resolutions.add_argument("--offload-mb", type=int, default=1024,
+                             help="the sdopt stack's Offload budget in MiB of UNet weights; 0 = sequential (stream every layer)")
     resolutions.add_argument("--confirm", action="store_true",
                              help="on a GPU, also run the cells the planner predicts out of memory (on a CPU they are never run)")
     resolutions.add_argument("--plot", type=Path, help="write a heatmap (PNG)")

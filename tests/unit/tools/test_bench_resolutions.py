@@ -18,6 +18,7 @@ class FixedPlanner:
 
     def __init__(self, peaks_mib: dict, unet_mib: int = 1600, vae_mib: int = 160):
         self.weights = {"text_encoder": 235 * MiB, "unet": unet_mib * MiB, "vae": vae_mib * MiB}
+        self.streamed_unet_bytes = 90 * MiB
         self._peaks = peaks_mib
         self.asked = []
 
@@ -51,6 +52,13 @@ def test_sdopt_cell_keeps_the_offload_budget_of_unet_weights_and_the_first_vae_t
     assert settings == "low memory 256 MiB, sub_quadratic; VAE tiled 512 px"
     peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True)
     assert settings.endswith("VAE tiled 256 px") and peak == (1024 + 1 + 700) * MiB
+
+
+def test_sdopt_cell_with_sequential_offload_holds_only_the_streamed_layers():
+    peak, _ = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True, offload_mb=0)
+    assert peak == max(90 + 1 + 700, 160 + 1 + 400) * MiB
+    assert "Offload(sequential)" in bench.stack_chains(0)[bench.SDOPT]
+    assert "Offload(budget 512 MiB)" in bench.stack_chains(512)[bench.SDOPT]
 
 
 def test_on_a_cpu_the_weights_are_already_in_what_is_allocated():
@@ -118,6 +126,7 @@ def test_heatmap_without_a_single_run_cell(tmp_path):
     (["--sizes", "100"], "--sizes: 100 px must be a positive multiple of 64"),
     (["--sizes", "512", "--steps", "0"], "--steps must be >= 1, not 0"),
     (["--vram-cap", "lots"], "--vram-cap: 'lots' is not a size"),
+    (["--offload-mb", "-1"], "--offload-mb must be >= 0 (0 streams the whole UNet), not -1"),
 ])
 def test_cli_rejects_bad_options_before_booting_comfyui(capsys, tmp_path, argv, message):
     assert main(["bench", "resolutions", "--comfyui", str(tmp_path), *argv]) == 2
