@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,11 +35,27 @@ def format_mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:,.1f}"
 
 
+def proc_status_bytes(field_name: str) -> int:
+    """A size field of /proc/self/status (``VmRSS``, ``VmHWM``) in bytes (Linux)."""
+    for line in _PROC_STATUS.read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field_name} in {_PROC_STATUS}")
+
+
+def peak_rss_growth(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    """Run ``fn`` with the process's peak RSS reset first (Linux): its result, the peak RSS while it
+    ran, and that peak's growth over the RSS at its start."""
+    _PROC_CLEAR_REFS.write_text("5")
+    before = proc_status_bytes("VmRSS")
+    result = fn()
+    peak = proc_status_bytes("VmHWM")
+    return result, peak, peak - before
+
+
 def _peak_rss_bytes() -> int:
     if _PROC_STATUS.exists():
-        for line in _PROC_STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+        return proc_status_bytes("VmHWM")
     # ru_maxrss is KiB on Linux and bytes on macOS, and it cannot be reset.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024

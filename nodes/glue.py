@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import sys
 import time
 import types
 from collections import OrderedDict
@@ -471,8 +472,6 @@ class FastPath:
 @contextmanager
 def _malloc_graph_paused():
     """ComfyUI 0.38's memory compiler records allocations into malloc graphs; capture must stay out."""
-    import sys
-
     prefetch = sys.modules.get("comfy.model_prefetch")
     pause = getattr(prefetch, "pause_malloc_graph", None)
     with pause() if pause else nullcontext():
@@ -489,8 +488,6 @@ def fast_path_of(model) -> FastPath | None:
 def dynamic_vram_probe() -> Callable[[], int] | None:
     """ComfyUI 0.38's dynamic VRAM maps weights through comfy-aimdo (cuMemMap), past PyTorch's
     allocator: its total usage, where that is on; else None."""
-    import sys
-
     memory_management = sys.modules.get("comfy.memory_management")
     if not getattr(memory_management, "aimdo_enabled", False):
         return None

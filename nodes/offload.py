@@ -37,7 +37,7 @@ def _unload(model) -> int:
     """Free ``model``'s weights from the device through ComfyUI's loaded-model list; the bytes freed."""
     mm = _model_management()
     for i, loaded in enumerate(mm.current_loaded_models):
-        if loaded.model is not None and (loaded.model is model or loaded.model.is_clone(model)):
+        if loaded.model is not None and loaded.model.is_clone(model):
             freed = loaded.model.loaded_size()
             mm.current_loaded_models.pop(i).model_unload()
             mm.soft_empty_cache()

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..measure.profiler import format_mib
+from ..measure.profiler import format_mib, peak_rss_growth
 from ..measure.report import markdown_table
 from .modelgen import SIZES, diffusers_vae_config
 
@@ -31,7 +31,6 @@ SEED = 0
 UNTILED = "untiled"
 TILED = "tiled"
 KEEP = {"no": False, "yes": True, "auto": None}  # --keep-intermediates choices
-_PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
@@ -58,13 +57,6 @@ class VAEBenchRow:
         return asdict(self)
 
 
-def _status_kib(field: str) -> int:
-    for line in _PROC_STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in {_PROC_STATUS}")
-
-
 def build_vae(model: str = "full", overrides: dict | None = None, seed: int = SEED):
     """The diffusers ``AutoencoderKL`` of ``modelgen``'s ``model`` config (with ``overrides``), seeded weights."""
     try:
@@ -89,23 +81,22 @@ def decode_once(spec: dict) -> dict:
     z = _latent(spec["size"], downscale, vae.config.latent_channels, spec["seed"])
     with torch.inference_mode():  # one-time library set-up (oneDNN, thread pools) is not the decode's
         vae.decode(_latent(8 * downscale, downscale, vae.config.latent_channels, spec["seed"]))
-    _PROC_CLEAR_REFS.write_text("5")  # VmHWM back to the current RSS
-    rss_before = _status_kib("VmRSS") * 1024
-    stats = None
-    started = time.perf_counter()
-    with torch.inference_mode():
+
+    @torch.inference_mode()
+    def decode():
         if spec["tiled"]:
             config = TiledVAEConfig(tile=spec["tile"], overlap=spec["overlap"], keep_intermediates=spec.get("keep"),
                                     store_dtype=DTYPES[spec["store_dtype"]] if spec.get("store_dtype") else None,
                                     budget_bytes=spec.get("budget_bytes"))
             result = tiled_decode(vae, z, config)
-            image, stats = result.output, result.stats
-        else:
-            image = vae.decode(z).sample
+            return result.output, result.stats
+        return vae.decode(z).sample, None
+
+    started = time.perf_counter()
+    (image, stats), peak, growth = peak_rss_growth(decode)
     seconds = time.perf_counter() - started
-    peak = _status_kib("VmHWM") * 1024
     torch.save(image, spec["out"])
-    report = {"seconds": seconds, "peak_rss_bytes": peak, "decode_rss_bytes": peak - rss_before}
+    report = {"seconds": seconds, "peak_rss_bytes": peak, "decode_rss_bytes": growth}
     if stats is not None:
         report.update(tile=stats.tile, tiles=stats.tiles, passes=stats.passes, kept_intermediates=stats.kept_intermediates,
                       oom_retries=stats.oom_retries)

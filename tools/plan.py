@@ -30,6 +30,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from ..errors import UserError
+from ..measure.profiler import peak_rss_growth
 from ..measure.report import markdown_table
 from ..optim.lowmem import LowMemConfig
 from ..optim.memory_plan import (
@@ -411,13 +412,6 @@ def plan_table(plan: Plan) -> str:
 # --- measurement -----------------------------------------------------------------------------------
 
 
-def _status_bytes(field_name: str) -> int:
-    for line in _PROC_STATUS.read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field_name} in {_PROC_STATUS}")
-
-
 def _measure_here(spec: dict) -> dict:
     """One real stage (random weights, stock settings) in this process: the growth of peak RSS while it runs."""
     torch.manual_seed(0)
@@ -429,12 +423,10 @@ def _measure_here(spec: dict) -> dict:
         warm_up(*warm_up_inputs)
     del warm_up, warm_up_inputs
     fn, inputs = stage_call(spec["stage"], modules, spec["width"], spec["height"], torch.float32, make)
-    # The high-water mark of building the models and warming up is not the stage's: reset it.
-    Path("/proc/self/clear_refs").write_text("5")
-    before = _status_bytes("VmRSS")
+    # The high-water mark of building the models and warming up is not the stage's: it is reset.
     with torch.inference_mode():
-        fn(*inputs)
-    return {"measured_bytes": _status_bytes("VmHWM") - before}
+        _, _, growth = peak_rss_growth(lambda: fn(*inputs))
+    return {"measured_bytes": growth}
 
 
 def measure_stage(model: str, stage: str, width: int, height: int) -> int:

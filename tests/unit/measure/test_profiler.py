@@ -65,6 +65,16 @@ def test_peak_rss_sees_an_allocation_and_resets():
     assert peak - after_reset >= 200 * MIB, "reset must drop the high-water mark back to the current RSS"
 
 
+@pytest.mark.skipif(not profiler._PROC_CLEAR_REFS.exists(), reason="needs Linux /proc/self/clear_refs")
+def test_peak_rss_growth_counts_what_the_function_touches_and_not_what_came_before():
+    before = torch.ones(256 * MIB // 4)  # the high-water mark from this block must not count
+    del before
+    result, peak, growth = profiler.peak_rss_growth(lambda: float(torch.ones(128 * MIB // 4).sum()))
+    assert result == 128 * MIB // 4
+    assert 100 * MIB <= growth < 200 * MIB
+    assert peak >= growth
+
+
 def test_records_filed_in_a_run_replace_per_node_and_leave_the_seed():
     seed = [{"node": "SDOptAttention", "requested": "auto", "active": "pending", "note": ""}]
     run = SamplingRun("r", "cpu", seed)
