@@ -39,7 +39,7 @@ from .bench_attention import trim_heap
 from .bench_speed import PROMPT, optimization_notes, profiled_sample, timed_decode
 from .bench_unet import checkpoint_path
 from .bench_vae import psnr
-from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, _lowmem, architecture
+from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, lowmem_setting
 
 STOCK, SDOPT = "stock", "sdopt"
 OK, OUT_OF_MEMORY, PREDICTED_OOM = "ok", "out of memory", "predicted OOM"
@@ -102,7 +102,7 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
     if stack == STOCK:
         unet_setting, vae_settings, unet_weights = UNET_SETTINGS[0], VAE_SETTINGS[:1], planner.weights["unet"]
     else:
-        unet_setting = _lowmem(LOWMEM_BUDGET_MB, "sub_quadratic")
+        unet_setting = lowmem_setting(LOWMEM_BUDGET_MB, "sub_quadratic")
         resident = offload_mb * _MiB if offload_mb else planner.streamed_unet_bytes
         vae_settings, unet_weights = VAE_SETTINGS, min(planner.weights["unet"], resident)
     loaded = {UNET_STEP: unet_weights, VAE_DECODE: planner.weights["vae"]} if weights_on_device else {UNET_STEP: 0, VAE_DECODE: 0}

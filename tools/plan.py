@@ -75,7 +75,7 @@ class Setting:
     tile: int | None = None  # VAE tile side in image pixels; None = untiled
 
 
-def _lowmem(budget_mib: int, attention: str = "sdpa") -> Setting:
+def lowmem_setting(budget_mib: int, attention: str = "sdpa") -> Setting:
     budget = budget_mib * _MiB
     return Setting(f"low memory {budget_mib} MiB, {attention}",
                    MemoryPlanConfig(attention=attention, attention_budget_bytes=budget,
@@ -88,9 +88,9 @@ UNET_SETTINGS = (
     Setting("sdpa, CFG batch 2"),
     Setting("sdpa, sequential CFG", MemoryPlanConfig(low_memory=LowMemConfig(
         budget_bytes=2**62, chunk_groupnorm=False, slice_convs=False, slice_feedforward=False))),
-    _lowmem(256),
-    _lowmem(64),
-    _lowmem(64, "sub_quadratic"),
+    lowmem_setting(256),
+    lowmem_setting(64),
+    lowmem_setting(64, "sub_quadratic"),
 )
 VAE_SETTINGS = (
     Setting("untiled, sdpa"),
