@@ -11,6 +11,11 @@ competitor. Each is profiled by SDOptProfiler and sampled by ``common_ksampler``
    a rung's speedup in a round is its steady it/s over stock's in that same round.
 
 The image of each rung is decoded once and compared with stock's (max pixel difference on 0–255).
+
+With ``profile``, each rung then samples one more prompt under torch.profiler
+(``measure.step_profile``): the device's busy time per step set beside the steady step time says
+whether the device or the host bounds the step, with the host syncs and the costliest kernels;
+``trace_dir`` keeps each of those prompts as a Perfetto trace.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table
+from ..measure.step_profile import profile_device
 from .bench_unet import checkpoint_path
 
 PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
@@ -54,6 +60,7 @@ class SpeedRow:
     notes: str = ""
     rounds_it_per_s: list = field(default_factory=list)
     vram_cap_bytes: int | None = None  # --vram-cap in force
+    step_profile: dict | None = None  # StepBreakdown.to_dict() of a profiled prompt (--profile)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,6 +141,8 @@ def bench_speed(
     models: Path | None = None,
     progress: bool = True,
     vram_cap: int | None = None,
+    profile: bool = False,
+    trace_dir: Path | None = None,
 ) -> list[SpeedRow]:
     from .headless import boot
 
@@ -145,6 +154,7 @@ def bench_speed(
     if unknown:
         raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS)}")
     names = [STOCK] + [r for r in rungs if r != STOCK]
+    profile = profile or trace_dir is not None
     host = boot(comfyui, vram_cap)
     import comfy.sd
     import nodes
@@ -156,7 +166,7 @@ def bench_speed(
     latent = {"samples": torch.zeros(1, 4, size // 8, size // 8)}
     built = _sdopt_rungs(host, base, names)
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
-    bar = tqdm(total=len(names) * (rounds + 1), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
+    bar = tqdm(total=len(names) * (rounds + 1 + profile), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
     for name in names:
         samples, run, wall = profiled_sample(host, built[name][0], name, latent, conds, steps)
         first[name] = (wall, run)
@@ -168,6 +178,12 @@ def bench_speed(
             runs[name].append((wall, run))
             decode[name] = timed_decode(vae, samples)[1]
             bar.update()
+    profiles = {}
+    for name in names if profile else ():
+        trace = Path(trace_dir) / f"{name}.trace.json.gz" if trace_dir else None
+        _, activity = profile_device(lambda: profiled_sample(host, built[name][0], name, latent, conds, steps), base.load_device, trace)
+        profiles[name] = activity.per_step(steps, 1 / statistics.median(r["steady_it_per_s"] for _, r in runs[name]))
+        bar.update()
     bar.close()
     rows = []
     stock_rates = [run["steady_it_per_s"] for _, run in runs[STOCK]]
@@ -185,6 +201,7 @@ def bench_speed(
             peak_memory_bytes=max(run["peak_memory_bytes"] for _, run in runs[name]), memory_kind=last["memory_kind"],
             max_pixel_diff=float((images[name] - images[STOCK]).abs().max() * 255), device=str(base.load_device),
             notes=optimization_notes(last["optimizations"]), rounds_it_per_s=rates, vram_cap_bytes=host.vram_cap_bytes,
+            step_profile=profiles[name].to_dict() if name in profiles else None,
         ))
     return rows
 
@@ -200,6 +217,21 @@ def speed_table(rows: list[SpeedRow]) -> str:
     ]
     notes = [f"- **{r.rung}** ({r.nodes}): {r.notes or 'stock ComfyUI'}" for r in rows]
     return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7}) + ["", *notes])
+
+
+def step_profile_table(rows: list[SpeedRow]) -> str:
+    """Per rung: the steady step, the device's busy time in it, what bounds it, and where the time goes."""
+    profiled = [r for r in rows if r.step_profile]
+    if not profiled:
+        return ""
+    unit = "kernels" if profiled[0].step_profile["device_type"] == "cuda" else "aten ops"
+    headers = ["rung", "step ms", "device busy ms", "busy share", "bound by", f"{unit} per step", "host syncs per prompt", f"top {unit} (share of busy)"]
+    body = [
+        [r.rung, f"{p['wall_ms']:.2f}", f"{p['busy_ms']:.2f}", f"{p['busy_share']:.0%}", p["bound_by"], f"{p['activities_per_step']:.0f}",
+         str(p["host_syncs"]), "; ".join(f"{name[:48]} {share:.0%}" for name, share in p["top"][:3])]
+        for r in profiled for p in [r.step_profile]
+    ]
+    return "\n".join(markdown_table(headers, body, right={1, 2, 3, 5, 6}))
 
 
 def save_plot(rows: list[SpeedRow], path: Path) -> str | None:

@@ -91,11 +91,11 @@ def _bench_unet(args: argparse.Namespace) -> None:
 
 
 def _bench_speed(args: argparse.Namespace) -> None:
-    from .bench_speed import bench_speed, save_plot, speed_table
+    from .bench_speed import bench_speed, save_plot, speed_table, step_profile_table
 
     rows = bench_speed(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs,
-                       models=args.models, vram_cap=_vram_cap(args))
-    _print_rows(speed_table(rows), rows, args.json)
+                       models=args.models, vram_cap=_vram_cap(args), profile=args.profile, trace_dir=args.trace_dir)
+    _print_rows("\n\n".join(filter(None, [speed_table(rows), step_profile_table(rows)])), rows, args.json)
     if args.plot:
         print(save_plot(rows, args.plot) or f"wrote {args.plot}")
 
@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
     speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=f"default: all of {', '.join(SPEED_RUNGS)}")
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
+    speed.add_argument("--profile", action="store_true",
+                       help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels")
+    speed.add_argument("--trace-dir", type=Path, help="keep each profiled prompt as a Perfetto trace, RUNG.trace.json.gz (implies --profile)")
     _add_comfyui_bench_options(speed)
     speed.set_defaults(handler=_bench_speed)
     resolutions = bench_kinds.add_parser(

@@ -1,17 +1,18 @@
 """bench speed inside ComfyUI, on the mini checkpoint at 64 px: stock first as the reference, every
-requested rung measured in interleaved rounds, and the CLI's JSON and plot."""
+requested rung measured in interleaved rounds, a profiled prompt per rung, and the CLI's JSON,
+plot and traces."""
 import json
 
 import pytest
 
-from sdopt.tools.bench_speed import bench_speed
+from sdopt.tools.bench_speed import bench_speed, step_profile_table
 from sdopt.tools.cli import main
 
 
 @pytest.fixture(scope="module")
 def rows(comfy_host):
     return bench_speed(comfy_host.host.path, str(comfy_host.checkpoint), size=64, steps=3, rounds=2,
-                       rungs=["trace", "graph"], progress=False)
+                       rungs=["trace", "graph"], progress=False, profile=True)
 
 
 def test_stock_first_then_the_rungs_each_measured_every_round(rows):
@@ -29,11 +30,24 @@ def test_rungs_say_what_ran(rows):
     assert "CUDA graphs need a CUDA device" in graph.notes
 
 
+def test_each_rung_has_a_step_profile_beside_its_steady_step(rows):
+    for row in rows:
+        step = row.step_profile
+        assert step["wall_ms"] == pytest.approx(1000 / row.steady_it_per_s)
+        assert 0 < step["busy_ms"] and 0 < step["busy_share"] <= 1 and step["bound_by"] in ("ops", "Python")
+        assert step["activities_per_step"] > 100 and any(name.startswith("aten::") for name, _ in step["top"])
+    table = step_profile_table(rows)
+    assert table.count("\n") == len(rows) + 1 and "aten ops per step" in table
+
+
 def test_cli_rejects_unknown_rungs_and_writes_json_and_plot(comfy_host, tmp_path, capsys):
     argv = ["bench", "speed", "--comfyui", str(comfy_host.host.path), "--model", str(comfy_host.checkpoint)]
     assert main(argv + ["--rungs", "warp"]) == 2
     assert "--rungs: unknown warp" in capsys.readouterr().err
     out, plot = tmp_path / "speed.json", tmp_path / "speed.png"
-    assert main(argv + ["--size", "64", "--steps", "2", "--rounds", "1", "--rungs", "precision", "--json", str(out), "--plot", str(plot)]) == 0
+    assert main(argv + ["--size", "64", "--steps", "2", "--rounds", "1", "--rungs", "precision", "--json", str(out), "--plot", str(plot),
+                        "--trace-dir", str(tmp_path / "traces")]) == 0
     assert [row["rung"] for row in json.loads(out.read_text())] == ["stock", "precision"]
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["precision.trace.json.gz", "stock.trace.json.gz"]
+    assert "host syncs per prompt" in capsys.readouterr().out
     assert plot.stat().st_size > 1000

@@ -1,0 +1,70 @@
+"""The step profile: busy time as a union of intervals, CUDA and CPU events told apart, host syncs
+counted, and a real profiled call on this CPU."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+
+from sdopt.measure.step_profile import DeviceActivity, busy_union, profile_device, summarize
+
+
+def event(name, start, end, device=DeviceType.CPU, self_us=None):
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           self_cpu_time_total=end - start if self_us is None else self_us)
+
+
+def test_busy_union_counts_overlapping_and_nested_time_once():
+    assert busy_union([]) == 0
+    assert busy_union([(0, 10), (2, 4), (8, 15), (20, 25)]) == 20
+    assert busy_union([(5, 6), (0, 1)]) == 2
+
+
+def test_cuda_busy_time_is_kernels_and_copies_and_syncs_are_runtime_waits():
+    events = [
+        event("aten::conv2d", 0, 50),  # host side: not device work
+        event("cudaLaunchKernel", 1, 2),
+        event("sm90_conv_kernel", 10, 40, DeviceType.CUDA),
+        event("triton_poi_fused_add", 35, 45, DeviceType.CUDA),  # overlaps the conv on another stream
+        event("Memcpy DtoD", 60, 61, DeviceType.CUDA),
+        event("cudaStreamSynchronize", 70, 80),
+        event("cudaMemcpyAsync", 81, 82),
+    ]
+    activity = summarize(events, "cuda")
+    assert activity.busy_us == 36 and activity.activities == 3 and activity.host_syncs == 1
+    assert activity.top[0] == ("sm90_conv_kernel", 30)
+
+
+def test_cpu_busy_time_is_aten_ops_and_value_reads_count_as_syncs():
+    events = [
+        event("aten::linear", 0, 10, self_us=2),
+        event("aten::addmm", 1, 9),  # nested in linear: its time counts once in the busy time
+        event("my_python_range", 0, 100),
+        event("aten::_local_scalar_dense", 20, 21),
+    ]
+    activity = summarize(events, "cpu")
+    assert activity.busy_us == 10 and activity.activities == 2 and activity.host_syncs == 1
+    assert dict(activity.top) == {"aten::addmm": 8, "aten::linear": 2}
+
+
+def test_per_step_sets_busy_time_beside_the_unprofiled_step():
+    step = DeviceActivity("cuda", busy_us=7000 * 20, activities=400 * 20, host_syncs=3, top=[("k", 3500 * 20)]).per_step(20, 0.0077)
+    assert step.busy_ms == pytest.approx(7.0) and step.wall_ms == pytest.approx(7.7)
+    assert step.busy_share == pytest.approx(7.0 / 7.7) and step.bound_by == "device"
+    assert step.activities_per_step == 400 and step.top == [("k", 0.5)]
+    assert DeviceActivity("cuda", 2000, 10, 20).per_step(1, 0.004).bound_by == "host"
+    assert DeviceActivity("cpu", 2000, 10, 0).per_step(1, 0.004).to_dict()["bound_by"] == "Python"
+
+
+def test_a_profiled_cpu_call_returns_its_result_and_what_ran(tmp_path):
+    def work():
+        a = torch.randn(128, 128)
+        for _ in range(5):
+            a = torch.tanh(a @ a)
+        return a.sum().item()
+
+    trace = tmp_path / "sub" / "work.trace.json.gz"
+    result, activity = profile_device(work, "cpu", trace)
+    assert isinstance(result, float) and trace.stat().st_size > 0
+    assert activity.host_syncs == 1 and activity.busy_us > 0 and activity.activities >= 11
+    assert "aten::mm" in dict(activity.top)
