@@ -9,8 +9,12 @@ all of the step is the limit, and only fewer or faster kernels help; a device id
 waits on the host, and capturing more of the step in a graph helps.
 
 Host syncs are the calls that make the host wait for the device (``cudaStreamSynchronize`` and
-kin on CUDA; on a CPU, the reads of a tensor's value, ``aten::_local_scalar_dense``, which would
-sync on a GPU). One per step keeps the host from running ahead.
+kin). One per step keeps the host from running ahead. A CPU has no device to wait for: there the
+count is of the reads of a tensor's value (``aten::_local_scalar_dense``: ``item()``, ``float(t)``),
+each a sync where that tensor lives on a GPU; a traced model's shape arithmetic reads CPU scalars,
+which never sync. Only those inside the ``span``
+ranges (``record_function`` names) count, so that a prompt's set-up (a sigma schedule read value by
+value) is not taken for the loop's.
 """
 from __future__ import annotations
 
@@ -87,9 +91,16 @@ def busy_union(intervals: Iterable[tuple[float, float]]) -> float:
     return total
 
 
-def summarize(events: Iterable, device_type: str) -> DeviceActivity:
-    """``DeviceActivity`` from profiler events (``name``, ``device_type``, ``time_range`` in µs)."""
+def summarize(events: Iterable, device_type: str, span: str | None = None) -> DeviceActivity:
+    """``DeviceActivity`` from profiler events (``name``, ``device_type``, ``time_range`` in µs);
+    with ``span``, host syncs count only inside the ranges of that name."""
     from torch.autograd import DeviceType
+
+    events = list(events)
+    spans = [(e.time_range.start, e.time_range.end) for e in events if span is not None and e.name == span]
+
+    def in_span(event) -> bool:
+        return span is None or any(start <= event.time_range.start <= end for start, end in spans)
 
     work, syncs = [], 0
     for event in events:
@@ -98,13 +109,12 @@ def summarize(events: Iterable, device_type: str) -> DeviceActivity:
             if on_device:
                 work.append(event)
             elif event.name in CUDA_SYNCS:
-                syncs += 1
+                syncs += in_span(event)
         elif not on_device:
             if event.name == CPU_SYNC:
-                syncs += 1
+                syncs += in_span(event)
             elif event.name.startswith("aten::"):
                 work.append(event)
-    spans = [(e.time_range.start, e.time_range.end) for e in work]
     by_name = Counter()
     if device_type == "cuda":
         for event in work:
@@ -112,12 +122,16 @@ def summarize(events: Iterable, device_type: str) -> DeviceActivity:
     else:  # nested ops would count twice: rank by the time each op spends outside its children
         for event in work:
             by_name[event.name] += event.self_cpu_time_total
-    return DeviceActivity(device_type, busy_union(spans), len(work), syncs, by_name.most_common(TOP_KERNELS))
+    busy = busy_union((e.time_range.start, e.time_range.end) for e in work)
+    return DeviceActivity(device_type, busy, len(work), syncs, by_name.most_common(TOP_KERNELS))
 
 
-def profile_device(fn: Callable[[], Any], device: torch.device | str, trace_path: Path | None = None) -> tuple[Any, DeviceActivity]:
-    """``fn()`` under torch.profiler: its result and what ``device`` did while it ran; with
-    ``trace_path``, a Chrome/Perfetto trace too (gzipped where the name ends in .gz)."""
+def profile_device(
+    fn: Callable[[], Any], device: torch.device | str, trace_path: Path | None = None, span: str | None = None,
+) -> tuple[Any, DeviceActivity]:
+    """``fn()`` under torch.profiler: its result and what ``device`` did while it ran (host syncs
+    inside ``span`` ranges only, where given); with ``trace_path``, a Chrome/Perfetto trace too
+    (gzipped where the name ends in .gz)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(device)
@@ -129,4 +143,4 @@ def profile_device(fn: Callable[[], Any], device: torch.device | str, trace_path
     if trace_path is not None:
         Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_path))
-    return result, summarize(prof.events(), device.type)
+    return result, summarize(prof.events(), device.type, span)

@@ -95,7 +95,7 @@ def _static(obj, name: str):
 
 
 def refuse_quantized(model, input_name: str) -> None:
-    """A ``UserError`` when the model holds quantized weights, whose scales a dtype copy would drop."""
+    """A ``UserError`` when the model holds quantized weights, whose scales a converted copy would drop."""
     config = model.model.model_config
     quantized = _static(config, "quant_config") is not None or _static(config, "scaled_fp8") is not None
     quantized = quantized or any(
@@ -103,8 +103,8 @@ def refuse_quantized(model, input_name: str) -> None:
     )
     if quantized:
         raise UserError(
-            f"{input_name}: this model holds quantized weights (scaled fp8, int8, nvfp4...), and a dtype copy "
-            "would drop their scales; keep it at default (ComfyUI runs quantized checkpoints natively)"
+            f"{input_name}: this model holds quantized weights (scaled fp8, int8, nvfp4...), and a converted copy "
+            "would drop their scales; keep it at its default (ComfyUI runs quantized checkpoints natively)"
         )
 
 

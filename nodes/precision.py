@@ -1,9 +1,10 @@
 """SDOptPrecision (MODEL → MODEL): weight and compute dtype, TF32 and channels-last, on a copy.
 
-A compute-dtype change is ComfyUI's own ``set_model_compute_dtype`` on a clone. A weight-dtype
-change gets a private copy of the diffusion model's weights (``glue.private_copy``); fp8 storage
-is upcast per layer by ComfyUI's cast path. TF32 is process-wide, so it is scoped to each sampling
-run by an OUTER_SAMPLE wrapper.
+A compute-dtype change is ComfyUI's own ``set_model_compute_dtype`` on a clone. A weight-dtype or
+layout change gets a private copy of the diffusion model's weights (``glue.private_copy``); fp8
+storage is upcast per layer by ComfyUI's cast path. Channels-last converts the 4-D (conv) weights:
+with NCHW weights a channels-last activation would make every convolution convert its weight on
+each call. TF32 is process-wide, so it is scoped to each sampling run by an OUTER_SAMPLE wrapper.
 """
 import torch
 
@@ -18,10 +19,6 @@ NODE = "SDOptPrecision"
 def _tf32_sampling(executor, *args, **kwargs):
     with tf32_scope():
         return executor(*args, **kwargs)
-
-
-def _channels_last_input(executor, x, *args, **kwargs):
-    return executor(x.contiguous(memory_format=torch.channels_last) if x.ndim == 4 else x, *args, **kwargs)
 
 
 class SDOptPrecision:
@@ -45,7 +42,9 @@ class SDOptPrecision:
                 "The dtype the UNet computes in. default: the new weight dtype where the device computes in it, "
                 "otherwise what the model computes in now.")}),
             "tf32": ("BOOLEAN", {"default": False, "tooltip": "Allow TF32 matmuls and convolutions (CUDA, Ampere and newer) during sampling only."}),
-            "channels_last": ("BOOLEAN", {"default": False, "tooltip": "Run convolutions in channels-last memory format (faster on some GPUs)."}),
+            "channels_last": ("BOOLEAN", {"default": False, "tooltip": (
+                "Store the conv weights channels-last (NHWC) in a private copy, so convolutions run channels-last: "
+                "faster on tensor-core GPUs, above all under sdopt Compile. Costs a copy of the UNet in RAM.")}),
         }}
 
     def patch(self, model, weight_dtype, compute_dtype, tf32, channels_last):
@@ -59,24 +58,21 @@ class SDOptPrecision:
         stored = model.model_dtype()
         computing = model.get_model_object("manual_cast_dtype") or stored
         plan = plan_precision(config, stored, computing, device)
-        if plan.weight_dtype != stored:
-            glue.refuse_quantized(model, "weight_dtype")
+        if plan.weight_dtype != stored or channels_last:
+            glue.refuse_quantized(model, "weight_dtype" if plan.weight_dtype != stored else "channels_last")
             unet = model.model.diffusion_model
             m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last))
             m.model.diffusion_model.dtype = plan.weight_dtype
             m.model.manual_cast_dtype = plan.compute_dtype if plan.upcasts else None
             m.set_model_compute_dtype(m.model.manual_cast_dtype)
             before, after = weight_bytes(unet), weight_bytes(unet, plan.weight_dtype)
-            notes.append(f"UNet weights {format_mib(before)} → {format_mib(after)} MiB in a private copy; the input model is unchanged")
+            layout = ", conv weights channels-last," if channels_last else ""
+            notes.append(f"UNet weights {format_mib(before)} → {format_mib(after)} MiB{layout} in a private copy; the input model is unchanged")
         else:
             m = model.clone()
             if plan.compute_dtype != computing:
                 m.set_model_compute_dtype(plan.compute_dtype)
-        wrappers = {"OUTER_SAMPLE": _tf32_sampling} if tf32 else {}
-        if channels_last and plan.weight_dtype == stored:
-            wrappers["APPLY_MODEL"] = _channels_last_input
-            notes.append("channels-last activations only: the shared weights stay NCHW (a weight_dtype change converts them)")
-        glue.set_wrappers(m, NODE, wrappers)
+        glue.set_wrappers(m, NODE, {"OUTER_SAMPLE": _tf32_sampling} if tf32 else {})
         if tf32 and device.type != "cuda":
             notes.append(f"tf32 has no effect on {device.type}: it is a CUDA setting")
         requested = f"weight={weight_dtype}, compute={compute_dtype}, tf32={'on' if tf32 else 'off'}, channels_last={'on' if channels_last else 'off'}"

@@ -3,7 +3,8 @@
 One process, one booted ComfyUI, one checkpoint. Every rung is a MODEL built by the nodes a user
 would wire (each sdopt rung adds one node to the one before: precision auto, attention, then a
 trace, compile, CUDA graph or compile + graph), plus ComfyUI's own TorchCompileModel as the
-competitor. Each is profiled by SDOptProfiler and sampled by ``common_ksampler``:
+competitor. ``compile+graph+channels_last`` (by ``rungs`` only: it compiles anew) is compile + graph
+over Precision with channels-last conv weights. Each is profiled by SDOptProfiler and sampled by ``common_ksampler``:
 
 1. a warm-up prompt per rung, whose extra time over its median steady prompt is its compile/capture
    time (the same measure for sdopt's rungs and for TorchCompileModel);
@@ -38,6 +39,9 @@ PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
 SEED, CFG, SAMPLER, SCHEDULER = 42, 7.0, "euler", "normal"
 STOCK = "stock"
 RUNGS = ("stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", "TorchCompileModel")
+CHANNELS_LAST = "compile+graph+channels_last"
+OFFERED_RUNGS = RUNGS + (CHANNELS_LAST,)  # the extra rung compiles anew: asked for by --rungs only
+SAMPLING_SPAN = "sdopt.bench: sampler"
 
 
 @dataclass
@@ -69,8 +73,12 @@ class SpeedRow:
 def _sdopt_rungs(host, base, names: list[str]) -> dict[str, tuple[object, str]]:
     """{rung: (model, the nodes that made it)}; sdopt rungs stack on precision + attention."""
     node = host.node_classes
-    precision = node["SDOptPrecision"]().patch(base, "auto", "default", False, False)[0]
-    attention = node["SDOptAttention"]().patch(precision, "sdpa", "fallback", 0, 32)[0]
+
+    def attention_over_precision(channels_last: bool):
+        precision = node["SDOptPrecision"]().patch(base, "auto", "default", False, channels_last)[0]
+        return precision, node["SDOptAttention"]().patch(precision, "sdpa", "fallback", 0, 32)[0]
+
+    precision, attention = attention_over_precision(False)
     stack = "Precision(auto) → Attention(sdpa)"
 
     def compile_(model, mode):
@@ -87,6 +95,8 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, tuple[object, str]]:
         "compile": lambda: (compile_(attention, "compile"), f"{stack} → Compile(compile)"),
         "graph": lambda: (graph(attention), f"{stack} → CUDAGraph"),
         "compile+graph": lambda: (graph(compile_(attention, "compile")), f"{stack} → Compile(compile) → CUDAGraph"),
+        CHANNELS_LAST: lambda: (graph(compile_(attention_over_precision(True)[1], "compile")),
+                                "Precision(auto, channels_last) → Attention(sdpa) → Compile(compile) → CUDAGraph"),
         "TorchCompileModel": lambda: (_comfy_torch_compile(base), "ComfyUI TorchCompileModel(inductor)"),
     }
     return {name: makers[name]() for name in names}
@@ -98,6 +108,20 @@ def _comfy_torch_compile(base):
     model = base.clone()
     set_torch_compile_wrapper(model=model, backend="inductor")
     return model
+
+
+def _sampling_spanned(model):
+    """A clone whose sampler run is one ``record_function`` range: the step profile counts the host
+    syncs inside it, not those of the prompt's set-up."""
+    import comfy.patcher_extension
+
+    def span(executor, *args, **kwargs):
+        with torch.profiler.record_function(SAMPLING_SPAN):
+            return executor(*args, **kwargs)
+
+    clone = model.clone()
+    clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE, SAMPLING_SPAN, span)
+    return clone
 
 
 def profiled_sample(host, model, label: str, latent: dict, conds, steps: int):
@@ -150,9 +174,9 @@ def bench_speed(
         raise UserError(f"--size must be a positive multiple of 64, not {size}")
     if steps < 2 or rounds < 1:
         raise UserError("--steps must be >= 2 (the first step is warm-up) and --rounds >= 1")
-    unknown = [r for r in rungs if r not in RUNGS]
+    unknown = [r for r in rungs if r not in OFFERED_RUNGS]
     if unknown:
-        raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(RUNGS)}")
+        raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(OFFERED_RUNGS)}")
     names = [STOCK] + [r for r in rungs if r != STOCK]
     profile = profile or trace_dir is not None
     host = boot(comfyui, vram_cap)
@@ -181,7 +205,8 @@ def bench_speed(
     profiles = {}
     for name in names if profile else ():
         trace = Path(trace_dir) / f"{name}.trace.json.gz" if trace_dir else None
-        _, activity = profile_device(lambda: profiled_sample(host, built[name][0], name, latent, conds, steps), base.load_device, trace)
+        spanned = _sampling_spanned(built[name][0])
+        _, activity = profile_device(lambda: profiled_sample(host, spanned, name, latent, conds, steps), base.load_device, trace, SAMPLING_SPAN)
         profiles[name] = activity.per_step(steps, 1 / statistics.median(r["steady_it_per_s"] for _, r in runs[name]))
         bar.update()
     bar.close()
@@ -224,8 +249,9 @@ def step_profile_table(rows: list[SpeedRow]) -> str:
     profiled = [r for r in rows if r.step_profile]
     if not profiled:
         return ""
-    unit = "kernels" if profiled[0].step_profile["device_type"] == "cuda" else "aten ops"
-    headers = ["rung", "step ms", "device busy ms", "busy share", "bound by", f"{unit} per step", "host syncs per prompt", f"top {unit} (share of busy)"]
+    cuda = profiled[0].step_profile["device_type"] == "cuda"
+    unit, syncs = ("kernels", "host syncs") if cuda else ("aten ops", "value reads")
+    headers = ["rung", "step ms", "device busy ms", "busy share", "bound by", f"{unit} per step", f"{syncs} while sampling", f"top {unit} (share of busy)"]
     body = [
         [r.rung, f"{p['wall_ms']:.2f}", f"{p['busy_ms']:.2f}", f"{p['busy_share']:.0%}", p["bound_by"], f"{p['activities_per_step']:.0f}",
          str(p["host_syncs"]), "; ".join(f"{name[:48]} {share:.0%}" for name, share in p["top"][:3])]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from .bench_speed import RUNGS as SPEED_RUNGS
+from .bench_speed import CHANNELS_LAST, RUNGS as SPEED_RUNGS
 from .modelgen import CHECKPOINT_DTYPES, SIZES
 
 
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--size", type=int, default=512, help="image side in pixels")
     speed.add_argument("--steps", type=int, default=20)
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
-    speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=f"default: all of {', '.join(SPEED_RUNGS)}")
+    speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {CHANNELS_LAST}")
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
     speed.add_argument("--profile", action="store_true",
                        help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels")

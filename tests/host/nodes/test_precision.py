@@ -74,14 +74,15 @@ def _cases(device):
     fp8_compute = "bf16" if compute_supported(torch.bfloat16, device) else "fp32"
     return {
         "bf16 weights, channels_last": ("bf16", dict(weight_dtype="bf16", compute_dtype="default", tf32=False, channels_last=True)),
-        f"{half} compute, tf32, channels_last": (
+        f"{half} compute, tf32": (
             half,
-            dict(weight_dtype="default", compute_dtype=half, tf32=True, channels_last=True),
+            dict(weight_dtype="default", compute_dtype=half, tf32=True, channels_last=False),
         ),
         f"fp8_e4m3fn weights, {fp8_compute} compute, tf32": (
             "fp8_e4m3fn",
             dict(weight_dtype="fp8_e4m3fn", compute_dtype=fp8_compute, tf32=True, channels_last=False),
         ),
+        "channels_last alone": ("fp32", dict(weight_dtype="default", compute_dtype="default", tf32=False, channels_last=True)),
     }
 
 
@@ -130,6 +131,7 @@ def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs, glue
 
 @pytest.mark.parametrize("case", range(3))
 def test_patched_output_is_finite_and_close_to_fp32(runs, case):
+    """The three dtype cases; channels_last alone keeps the dtype and has its own test."""
     name = list(runs["results"])[case]
     result = runs["results"][name]
     err = rel_err(result["out"], runs["reference"])
@@ -143,7 +145,7 @@ def _result(runs, prefix):
 
 
 def _half(runs):
-    return next(r for name, r in runs["results"].items() if "compute, tf32, channels_last" in name)
+    return next(r for name, r in runs["results"].items() if name.endswith(" compute, tf32"))
 
 
 def test_weight_dtype_makes_a_private_copy_in_that_dtype(runs):
@@ -167,10 +169,22 @@ def test_compute_dtype_clone_shares_weights_and_scopes_tf32(runs):
     half = _half(runs)
     assert half["model"].model is runs["model"].model
     assert dtype_name(half["seen"]["x_dtype"]) == half["inputs"]["compute_dtype"]
-    assert half["seen"]["x_channels_last"], "channels_last without a copy makes the activations channels-last"
+    assert not half["seen"]["x_channels_last"]
     assert half["seen"]["tf32"] == (True, True), "TF32 is on while the sampler runs"
     assert runs["flags_after"] == runs["flags_before"], "and restored afterwards"
     assert _result(runs, "bf16 weights")["seen"]["tf32"] == runs["flags_before"], "tf32 off leaves the flags alone"
+
+
+def test_channels_last_alone_copies_the_weights_channels_last_in_their_dtype(runs):
+    """With NCHW weights, channels-last activations would convert every conv weight on every call."""
+    model, result = runs["model"], _result(runs, "channels_last alone")
+    unet = result["model"].model.diffusion_model
+    assert result["model"].model is not model.model, "a private copy"
+    assert stored_dtypes(unet) == stored_dtypes(model.model.diffusion_model)
+    convs = [p for p in unet.parameters() if p.ndim == 4]
+    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    assert not model.model.diffusion_model.input_blocks[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert rel_err(result["out"], runs["reference"]) < REL_TOL[dtype_name(model.model_dtype())]
 
 
 def test_each_patched_clone_has_one_record_saying_what_is_active(runs, glue, device):
@@ -188,18 +202,22 @@ def test_each_patched_clone_has_one_record_saying_what_is_active(runs, glue, dev
 
     half = _half(runs)
     (record,) = glue.model_records(half["model"].model_options)
-    assert record["requested"] == f"weight=default, compute={half['inputs']['compute_dtype']}, tf32=on, channels_last=on"
-    assert record["active"] == f"weight={loaded}, compute={half['inputs']['compute_dtype']}, tf32, channels_last"
-    assert "channels-last activations only" in record["note"]
+    assert record["requested"] == f"weight=default, compute={half['inputs']['compute_dtype']}, tf32=on, channels_last=off"
+    assert record["active"] == f"weight={loaded}, compute={half['inputs']['compute_dtype']}, tf32"
+    assert "private copy" not in record["note"]
+
+    (record,) = glue.model_records(_result(runs, "channels_last alone")["model"].model_options)
+    assert record["active"] == f"weight={loaded}, compute={loaded}, channels_last"
+    assert "conv weights channels-last, in a private copy" in record["note"]
 
     (record,) = glue.model_records(_result(runs, "bf16 weights")["model"].model_options)
     assert record["requested"] == "weight=bf16, compute=default, tf32=off, channels_last=on"
     assert record["active"] == "weight=bf16, compute=bf16, channels_last"
-    assert "tf32" not in record["note"] and "activations only" not in record["note"]
+    assert "tf32" not in record["note"] and "conv weights channels-last" in record["note"]
 
 
 FIRST_SECOND = {
-    # weights converted (channels-last weights, no APPLY_MODEL wrapper), then back to fp32 with nothing else
+    # weights converted (channels-last weights), then back to fp32 with nothing else
     "bf16+tf32+channels_last, then fp32": (
         dict(weight_dtype="bf16", compute_dtype="default", tf32=True, channels_last=True),
         dict(weight_dtype="fp32", compute_dtype="default", tf32=False, channels_last=False),
@@ -212,11 +230,11 @@ FIRST_SECOND = {
         {"outer_sample": 1},
         {"outer_sample": 1},
     ),
-    # shared weights: channels-last is an APPLY_MODEL wrapper, which the second node must drop
+    # channels_last=off does not convert back: the second keeps the first's weights
     "default+tf32+channels_last, then default+tf32": (
         dict(weight_dtype="default", compute_dtype="default", tf32=True, channels_last=True),
         dict(weight_dtype="default", compute_dtype="default", tf32=True, channels_last=False),
-        {"outer_sample": 1, "apply_model": 1},
+        {"outer_sample": 1},
         {"outer_sample": 1},
     ),
 }

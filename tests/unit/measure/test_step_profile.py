@@ -47,6 +47,18 @@ def test_cpu_busy_time_is_aten_ops_and_value_reads_count_as_syncs():
     assert dict(activity.top) == {"aten::addmm": 8, "aten::linear": 2}
 
 
+def test_syncs_count_only_inside_the_span_where_one_is_named():
+    events = [
+        event("sampler", 100, 200),
+        event("aten::_local_scalar_dense", 50, 51),  # set-up, before the span
+        event("aten::_local_scalar_dense", 150, 151),
+        event("aten::_local_scalar_dense", 250, 251),
+    ]
+    assert summarize(events, "cpu").host_syncs == 3
+    assert summarize(events, "cpu", span="sampler").host_syncs == 1
+    assert summarize(events, "cpu", span="absent").host_syncs == 0
+
+
 def test_per_step_sets_busy_time_beside_the_unprofiled_step():
     step = DeviceActivity("cuda", busy_us=7000 * 20, activities=400 * 20, host_syncs=3, top=[("k", 3500 * 20)]).per_step(20, 0.0077)
     assert step.busy_ms == pytest.approx(7.0) and step.wall_ms == pytest.approx(7.7)

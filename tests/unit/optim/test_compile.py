@@ -48,6 +48,19 @@ def test_every_mode_matches_eager(tiny_unet, config):
         torch.testing.assert_close(fast(*unet_inputs(seed=seed)), unet_call(tiny_unet, *unet_inputs(seed=seed)), **TOL["inductor"])
 
 
+@torch.inference_mode()
+def test_a_channels_last_copy_compiles_to_the_same_output(tiny_unet):
+    """Precision's channels_last (conv weights NHWC) under inductor, whose convolutions follow the weights' layout."""
+    from sdopt.optim.precision import converted_copy
+
+    channels_last = converted_copy(tiny_unet, torch.float32, channels_last=True)
+    assert channels_last.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    fast = compile_forward(channels_last, unet_call, CompileConfig("compile", backend="inductor"))
+    for seed in (0, 1):
+        torch.testing.assert_close(fast(*unet_inputs(seed=seed)), unet_call(tiny_unet, *unet_inputs(seed=seed)), **TOL["inductor"])
+    assert fast.stats.compilations >= 1
+
+
 @pytest.mark.parametrize("mode", ["compile", "compile_regional", "trace"])
 @torch.inference_mode()
 def test_a_new_resolution_compiles_once_and_new_values_never(tiny_unet, mode):
