@@ -3,7 +3,8 @@
 A step runs at the pace of whichever is slower: the host launching work (Python, kernel launches,
 waits on the device) or the device running it. ``profile_device(fn, device)`` runs ``fn`` under
 ``torch.profiler`` and sums what the device did: on CUDA the union of kernel, memcpy and memset
-intervals; on a CPU the union of aten op intervals (the rest of the wall is Python). Set beside
+intervals; on a CPU the union of aten op intervals and compiled-graph calls (inductor's C++ kernels
+run inside those, unseen by the profiler), the rest of the wall being Python. Set beside
 the unprofiled step time, the busy time says which side bounds the step: a device busy for nearly
 all of the step is the limit, and only fewer or faster kernels help; a device idle for much of it
 waits on the host, and capturing more of the step in a graph helps.
@@ -28,6 +29,8 @@ import torch
 
 CUDA_SYNCS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"})
 CPU_SYNC = "aten::_local_scalar_dense"
+COMPILED_GRAPH = "## Call CompiledFxGraph"  # inductor's range around a compiled graph's call
+COMPILED_KERNELS = "inductor kernels (compiled graph)"
 TOP_KERNELS = 5
 DEVICE_BOUND = 0.9  # busy share of the step above which the device, not the host, sets the pace
 
@@ -113,7 +116,7 @@ def summarize(events: Iterable, device_type: str, span: str | None = None) -> De
         elif not on_device:
             if event.name == CPU_SYNC:
                 syncs += in_span(event)
-            elif event.name.startswith("aten::"):
+            elif event.name.startswith(("aten::", COMPILED_GRAPH)):
                 work.append(event)
     by_name = Counter()
     if device_type == "cuda":
@@ -121,7 +124,7 @@ def summarize(events: Iterable, device_type: str, span: str | None = None) -> De
             by_name[event.name] += event.time_range.end - event.time_range.start
     else:  # nested ops would count twice: rank by the time each op spends outside its children
         for event in work:
-            by_name[event.name] += event.self_cpu_time_total
+            by_name[COMPILED_KERNELS if event.name.startswith(COMPILED_GRAPH) else event.name] += event.self_cpu_time_total
     busy = busy_union((e.time_range.start, e.time_range.end) for e in work)
     return DeviceActivity(device_type, busy, len(work), syncs, by_name.most_common(TOP_KERNELS))
 

@@ -320,11 +320,12 @@ def default_cache_dir() -> Path:
 
 
 def architecture_hash(module: torch.nn.Module) -> str:
-    """A hash of the module's class and tensor names, shapes and dtypes: compiled code depends on
-    these, not on the weight values, which stay inputs."""
+    """A hash of the module's class and tensor names, shapes, strides and dtypes: compiled code
+    depends on these (the strides say which weights are channels-last), not on the weight values,
+    which stay inputs."""
     digest = hashlib.sha256(type(module).__qualname__.encode())
     for name, tensor in _named_state(module).items():
-        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.stride()}:{tensor.dtype}".encode())
     return digest.hexdigest()[:16]
 
 

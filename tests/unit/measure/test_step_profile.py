@@ -47,6 +47,17 @@ def test_cpu_busy_time_is_aten_ops_and_value_reads_count_as_syncs():
     assert dict(activity.top) == {"aten::addmm": 8, "aten::linear": 2}
 
 
+def test_on_a_cpu_a_compiled_graph_call_is_busy_time_with_its_kernels_named():
+    events = [
+        event("## Call CompiledFxGraph fabc123 ##", 0, 100, self_us=70),
+        event("aten::convolution", 10, 40),  # an extern kernel inside the compiled graph
+        event("Torch-Compiled Region: 0/0", 0, 120),
+    ]
+    activity = summarize(events, "cpu")
+    assert activity.busy_us == 100 and activity.activities == 2
+    assert activity.top[0] == ("inductor kernels (compiled graph)", 70)
+
+
 def test_syncs_count_only_inside_the_span_where_one_is_named():
     events = [
         event("sampler", 100, 200),

@@ -162,5 +162,8 @@ def test_the_cache_key_follows_the_architecture_not_the_weights(tiny_unet):
     with torch.no_grad():
         next(tiny_unet.parameters()).add_(1)
     assert ArtifactCache.for_module(tiny_unet, config).key == key
+    from sdopt.optim.precision import converted_copy
+
+    assert ArtifactCache.for_module(converted_copy(tiny_unet, torch.float32, channels_last=True), config).key != key, "layout"
     assert ArtifactCache.for_module(tiny_unet.half(), config).key != key
     assert ArtifactCache.for_module(tiny_unet, CompileConfig("trace")).key != key
