@@ -44,6 +44,7 @@ def test_report_says_what_ran(runs):
     records = {o["node"]: o for o in run["optimizations"]}
     assert set(records) == {"SDOptPrecision", "SDOptAttention", "SDOptCompile", "SDOptCUDAGraph"}
     assert records["SDOptCompile"]["active"].startswith("compile-inductor-default: 1 input signature(s)")
+    assert records["SDOptPrecision"]["active"].endswith(", channels_last"), "the conv weights are channels-last, as inductor runs them"
     assert records["SDOptCUDAGraph"]["active"] == "eager" and "CUDA graphs need a CUDA device" in records["SDOptCUDAGraph"]["note"]
 
 
