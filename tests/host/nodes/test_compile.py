@@ -3,7 +3,8 @@
 Sampling is ComfyUI's own KSampler path (2 euler steps at 64x64, CFG 7). A compiled clone must give
 the stock latent within ``REL_TOL`` of its largest magnitude (inductor reorders fp32 reductions;
 trace and aot_eager run the eager kernels), must not recompile when steps or seed change, and must
-follow a LoRA loaded downstream through the stock LoraLoaderModelOnly at every strength.
+follow a LoRA loaded downstream through the stock LoraLoaderModelOnly at every strength, also over
+channels-last conv weights (Precision's channels_last), whose layout the LoRA must keep.
 """
 import pytest
 import torch
@@ -11,6 +12,7 @@ from safetensors.torch import save_file
 
 REL_TOL = 1e-4
 LORA = "sdopt-test-lora.safetensors"
+CONV_LORA = "sdopt-test-conv-lora.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +58,20 @@ def test_new_steps_and_seed_do_not_recompile(comfy_host, mini):
     assert stats.compilations == compilations, stats.recompile_reasons
 
 
-def write_lora(folder, model) -> None:
-    """A rank-4 LoRA in ComfyUI's generic key format over every attention projection of the UNet."""
+def write_lora(folder, model, file=LORA, convs=False) -> None:
+    """A rank-4 LoRA in ComfyUI's generic key format over every attention projection of the UNet,
+    and with ``convs`` over every conv of its first input blocks (LoCon style: down k x k, up 1 x 1)."""
     generator = torch.Generator().manual_seed(3)
     tensors = {}
     for name, param in model.model.diffusion_model.named_parameters():
-        if any(part in name for part in (".to_q.", ".to_k.", ".to_v.")) and name.endswith(".weight"):
+        attention = any(part in name for part in (".to_q.", ".to_k.", ".to_v."))
+        conv = convs and param.ndim == 4 and name.startswith(("input_blocks.0.", "input_blocks.1."))
+        if (attention or conv) and name.endswith(".weight"):
             key = f"diffusion_model.{name[:-len('.weight')]}"
-            tensors[f"{key}.lora_down.weight"] = torch.randn(4, param.shape[1], generator=generator) * 0.05
-            tensors[f"{key}.lora_up.weight"] = torch.randn(param.shape[0], 4, generator=generator) * 0.05
+            tensors[f"{key}.lora_down.weight"] = torch.randn(4, *param.shape[1:], generator=generator) * 0.05
+            tensors[f"{key}.lora_up.weight"] = torch.randn(param.shape[0], 4, *[1] * (param.ndim - 2), generator=generator) * 0.05
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / LORA))
+    save_file(tensors, str(folder / file))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +80,7 @@ def lora(comfy_host, mini, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("loras")
     write_lora(folder, mini[0])
+    write_lora(folder, mini[0], CONV_LORA, convs=True)
     folder_paths.add_model_folder_path("loras", str(folder))
     return LORA
 
@@ -100,6 +106,23 @@ def test_a_lora_and_its_strength_changes_are_followed_without_recompiling(comfy_
             assert stats.compilations == compilations, f"a strength change recompiled: {stats.recompile_reasons}"
         compilations = stats.compilations
     assert close(comfy_host.sample(patched), stock), "after the LoRA is gone, the compiled model uses the original weights"
+
+
+def test_a_conv_lora_over_channels_last_weights_keeps_their_layout_and_never_recompiles(comfy_host, mini, lora):
+    model, stock = mini
+    (channels_last,) = comfy_host.nodes["SDOptPrecision"]().patch(model, "default", "default", False, True)
+    patched = compiled(comfy_host, channels_last)
+    assert close(comfy_host.sample(patched), stock)
+    (stats,), _ = fast_path(comfy_host, patched).stats()
+    compilations = stats.compilations
+    for strength in (1.0, 0.5):
+        eager = comfy_host.sample(with_lora(model, CONV_LORA, strength))
+        assert not close(eager, stock), "the test LoRA must change the output"
+        lora_model = with_lora(patched, CONV_LORA, strength)
+        assert close(comfy_host.sample(lora_model), eager), f"strength {strength}"
+        conv = lora_model.model.diffusion_model.input_blocks[1][0].in_layers[2].weight
+        assert conv.is_contiguous(memory_format=torch.channels_last), "the patched weight kept the channels-last layout"
+        assert stats.compilations == compilations, f"the LoRA recompiled: {stats.recompile_reasons}"
 
 
 def test_cuda_graph_passes_through_on_a_cpu_and_says_so(comfy_host, mini):
