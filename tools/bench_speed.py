@@ -4,7 +4,8 @@ One process, one booted ComfyUI, one checkpoint. Every rung is a MODEL built by 
 would wire (each sdopt rung adds one node to the one before: precision auto, attention, then a
 trace, compile, CUDA graph or compile + graph), plus ComfyUI's own TorchCompileModel as the
 competitor. ``compile+graph+channels_last`` (by ``rungs`` only: it compiles anew) is compile + graph
-over Precision with channels-last conv weights. Each is profiled by SDOptProfiler and sampled by ``common_ksampler``:
+over Precision with channels-last conv weights. Each is profiled by SDOptProfiler and sampled by
+``common_ksampler``:
 
 1. a warm-up prompt per rung, whose extra time over its median steady prompt is its compile/capture
    time (the same measure for sdopt's rungs and for TorchCompileModel);
