@@ -413,6 +413,7 @@ class FastPath:
         self.eager_reasons: dict[str, int] = {}
         self.warm_start: bool | None = None
         self.cold_compile_seconds: float | None = None
+        self.nchw_conv_bytes = 0
         self.cache_saved = None
         self.requested: dict[str, str] = {}
 
@@ -427,7 +428,7 @@ class FastPath:
         return new
 
     def _runner(self, unet, options: dict):
-        from ..optim.compile import ArtifactCache, compile_forward
+        from ..optim.compile import ArtifactCache, compile_forward, nchw_conv_weight_bytes
         from ..optim.cuda_graph import GraphedFunction, module_weights
 
         key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS))
@@ -439,6 +440,7 @@ class FastPath:
         if self.compile_config is not None:
             compiled = compile_forward(unet, call, self.compile_config)
             fn = compiled
+            self.nchw_conv_bytes = nchw_conv_weight_bytes(unet, self.compile_config)
             if self.compile_config.mode != "trace":
                 cache = ArtifactCache.for_module(unet, self.compile_config, self.cache_root)
                 self.warm_start = cache.load()
@@ -520,7 +522,11 @@ def install_fast_path(model, fast_path: FastPath) -> None:
             if "SDOptCompile" in requested and fast_path.compile_config:
                 cold = f" (the cold compile took {fast_path.cold_compile_seconds:.1f} s)" if fast_path.cold_compile_seconds else ""
                 warm = {True: f"warm start from sdopt's compile cache{cold}", False: "cold start (nothing cached yet)", None: ""}[fast_path.warm_start]
-                note = "; ".join(filter(None, [warm, f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", eager]))
+                layout = (
+                    f"{fast_path.nchw_conv_bytes / 2**20:,.0f} MiB of conv weights are stored NCHW, so inductor copies them to "
+                    "channels-last on every step: sdopt Precision's channels_last stores them that way once"
+                ) if fast_path.nchw_conv_bytes else ""
+                note = "; ".join(filter(None, [warm, f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", layout, eager]))
                 active = f"{fast_path.compile_config.settings()}: " + " | ".join(s.summary() for s in compile_stats)
                 record_in_run("SDOptCompile", requested["SDOptCompile"], active, note)
             if "SDOptCUDAGraph" in requested and fast_path.graph_config:

@@ -86,6 +86,19 @@ def unavailable_reason(config: CompileConfig, device: torch.device) -> str | Non
     return None
 
 
+def nchw_conv_weight_bytes(module: torch.nn.Module, config: CompileConfig) -> int:
+    """Bytes of 2-D conv weights that inductor copies to channels-last on every call: it lays such
+    convolutions out channels-last (its layout optimization) and the weights are graph inputs, so
+    weights stored NCHW are converted each time. Stored channels-last, they are used as they are."""
+    if config.mode == "trace" or config.backend != "inductor":
+        return 0
+    return sum(
+        p.numel() * p.element_size()
+        for m in module.modules() if isinstance(m, torch.nn.Conv2d)
+        for p in (m.weight,) if not p.is_contiguous(memory_format=torch.channels_last)
+    )
+
+
 # --- compile accounting: dynamo's callbacks, attributed to the forward that is running ----------
 
 

@@ -45,6 +45,7 @@ def test_report_says_what_ran(runs):
     assert set(records) == {"SDOptPrecision", "SDOptAttention", "SDOptCompile", "SDOptCUDAGraph"}
     assert records["SDOptCompile"]["active"].startswith("compile-inductor-default: 1 input signature(s)")
     assert records["SDOptPrecision"]["active"].endswith(", channels_last"), "the conv weights are channels-last, as inductor runs them"
+    assert "stored NCHW" not in records["SDOptCompile"]["note"]
     assert records["SDOptCUDAGraph"]["active"] == "eager" and "CUDA graphs need a CUDA device" in records["SDOptCUDAGraph"]["note"]
 
 

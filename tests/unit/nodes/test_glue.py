@@ -1074,3 +1074,26 @@ def test_capture_runs_with_comfyuis_malloc_graph_paused(patcher_extension, monke
     fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
     fast_path(Executor(TinyUNet()), *_step(), None, None, {})
     assert paused == [True]
+
+
+@torch.inference_mode()
+def test_the_compile_record_says_when_inductor_converts_nchw_conv_weights_every_step(patcher_extension, tmp_path):
+    from sdopt.optim.precision import converted_copy
+
+    def record_after_sampling(unet):
+        from sdopt.nodes.compile import SDOptCompile
+
+        model = SDOptCompile().patch(FastPatcher(), "compile", "inductor", "default", False, False, "fallback")[0]
+        fast_path = glue.fast_path_of(model)
+        fast_path.cache_root = tmp_path
+        fast_path._runner(unet, {})
+        (report,) = _keyed(model, glue.FAST_PATH_KEY)["sampler_sample"]
+        run = SamplingRun("r", "cpu")
+        with run.memory_scope():
+            report(lambda: None)
+        (record,) = [r for r in run.optimizations if r["node"] == "SDOptCompile"]
+        return record["note"]
+
+    unet = TinyUNet()
+    assert f"{4 * 4 * 9 * 4 / 2**20:,.0f} MiB of conv weights are stored NCHW" in record_after_sampling(unet)
+    assert "NCHW" not in record_after_sampling(converted_copy(unet, torch.float32, channels_last=True))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from sdopt.optim.compile import (
-    ArtifactCache, CompileConfig, cache_entries, compile_forward, purge_cache, repeated_blocks, unavailable_reason,
+    ArtifactCache, CompileConfig, cache_entries, compile_forward, nchw_conv_weight_bytes, purge_cache, repeated_blocks,
+    unavailable_reason,
 )
 
 
@@ -59,6 +60,18 @@ def test_a_channels_last_copy_compiles_to_the_same_output(tiny_unet):
     for seed in (0, 1):
         torch.testing.assert_close(fast(*unet_inputs(seed=seed)), unet_call(tiny_unet, *unet_inputs(seed=seed)), **TOL["inductor"])
     assert fast.stats.compilations >= 1
+
+
+def test_nchw_conv_weights_are_counted_where_inductor_would_convert_them():
+    from sdopt.optim.precision import converted_copy
+
+    module = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Linear(3, 3), torch.nn.Conv2d(8, 2, 3))
+    conv_bytes = (8 * 4 * 9 + 2 * 8 * 9) * 4
+    assert nchw_conv_weight_bytes(module, CompileConfig()) == conv_bytes
+    assert nchw_conv_weight_bytes(module, CompileConfig("compile_regional")) == conv_bytes
+    assert nchw_conv_weight_bytes(converted_copy(module, torch.float32, channels_last=True), CompileConfig()) == 0
+    assert nchw_conv_weight_bytes(module, CompileConfig("trace")) == 0
+    assert nchw_conv_weight_bytes(module, CompileConfig(backend="aot_eager")) == 0
 
 
 @pytest.mark.parametrize("mode", ["compile", "compile_regional", "trace"])
