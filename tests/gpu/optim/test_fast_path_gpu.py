@@ -54,3 +54,17 @@ def test_compiled_inside_a_graph_matches_eager(unet, mode):
     for seed in range(2):
         torch.testing.assert_close(graphed(*inputs(seed)), call(unet, *inputs(seed)), **COMPILED)
     assert graphed.stats.eager_calls == 0, graphed.stats.summary()
+
+
+@torch.inference_mode()
+def test_channels_last_weights_compiled_inside_a_graph_match_eager(unet):
+    """Precision's channels_last copy under the fast path: the layout inductor runs convolutions in."""
+    from sdopt.optim.precision import converted_copy
+
+    channels_last = converted_copy(unet, torch.float16, channels_last=True)
+    assert channels_last.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    compiled = compile_forward(channels_last, call, CompileConfig("compile"))
+    graphed = GraphedFunction(compiled, lambda: list(channels_last.parameters()))
+    for seed in range(2):
+        torch.testing.assert_close(graphed(*inputs(seed)), call(unet, *inputs(seed)), **COMPILED)
+    assert graphed.stats.eager_calls == 0 and compiled.stats.recompile_reasons == [], graphed.stats.summary()
