@@ -92,11 +92,8 @@ def nchw_conv_weight_bytes(module: torch.nn.Module, config: CompileConfig) -> in
     weights stored NCHW are converted each time. Stored channels-last, they are used as they are."""
     if config.mode == "trace" or config.backend != "inductor":
         return 0
-    return sum(
-        p.numel() * p.element_size()
-        for m in module.modules() if isinstance(m, torch.nn.Conv2d)
-        for p in (m.weight,) if not p.is_contiguous(memory_format=torch.channels_last)
-    )
+    weights = [m.weight for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+    return sum(w.numel() * w.element_size() for w in weights if not w.is_contiguous(memory_format=torch.channels_last))
 
 
 # --- compile accounting: dynamo's callbacks, attributed to the forward that is running ----------

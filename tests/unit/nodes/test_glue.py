@@ -1078,12 +1078,8 @@ def test_capture_runs_with_comfyuis_malloc_graph_paused(patcher_extension, monke
 
 @torch.inference_mode()
 def test_the_compile_record_says_when_inductor_converts_nchw_conv_weights_every_step(patcher_extension, tmp_path):
-    from sdopt.optim.precision import converted_copy
-
     def record_after_sampling(unet):
-        from sdopt.nodes.compile import SDOptCompile
-
-        model = SDOptCompile().patch(FastPatcher(), "compile", "inductor", "default", False, False, "fallback")[0]
+        model = _compile_node(FastPatcher(), "compile")
         fast_path = glue.fast_path_of(model)
         fast_path.cache_root = tmp_path
         fast_path._runner(unet, {})

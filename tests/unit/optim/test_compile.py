@@ -11,6 +11,7 @@ from sdopt.optim.compile import (
     ArtifactCache, CompileConfig, cache_entries, compile_forward, nchw_conv_weight_bytes, purge_cache, repeated_blocks,
     unavailable_reason,
 )
+from sdopt.optim.precision import converted_copy
 
 
 def unet_call(unet, sample, timestep, context):
@@ -52,8 +53,6 @@ def test_every_mode_matches_eager(tiny_unet, config):
 @torch.inference_mode()
 def test_a_channels_last_copy_compiles_to_the_same_output(tiny_unet):
     """Precision's channels_last (conv weights NHWC) under inductor, whose convolutions follow the weights' layout."""
-    from sdopt.optim.precision import converted_copy
-
     channels_last = converted_copy(tiny_unet, torch.float32, channels_last=True)
     assert channels_last.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
     fast = compile_forward(channels_last, unet_call, CompileConfig("compile", backend="inductor"))
@@ -63,8 +62,6 @@ def test_a_channels_last_copy_compiles_to_the_same_output(tiny_unet):
 
 
 def test_nchw_conv_weights_are_counted_where_inductor_would_convert_them():
-    from sdopt.optim.precision import converted_copy
-
     module = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3), torch.nn.Linear(3, 3), torch.nn.Conv2d(8, 2, 3))
     conv_bytes = (8 * 4 * 9 + 2 * 8 * 9) * 4
     assert nchw_conv_weight_bytes(module, CompileConfig()) == conv_bytes
@@ -175,8 +172,6 @@ def test_the_cache_key_follows_the_architecture_not_the_weights(tiny_unet):
     with torch.no_grad():
         next(tiny_unet.parameters()).add_(1)
     assert ArtifactCache.for_module(tiny_unet, config).key == key
-    from sdopt.optim.precision import converted_copy
-
     assert ArtifactCache.for_module(converted_copy(tiny_unet, torch.float32, channels_last=True), config).key != key, "layout"
     assert ArtifactCache.for_module(tiny_unet.half(), config).key != key
     assert ArtifactCache.for_module(tiny_unet, CompileConfig("trace")).key != key
