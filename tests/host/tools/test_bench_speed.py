@@ -1,11 +1,11 @@
 """bench speed inside ComfyUI, on the mini checkpoint at 64 px: stock first as the reference, every
-requested rung measured in interleaved rounds, a profiled prompt per rung, and the CLI's JSON,
-plot and traces."""
+requested rung measured in interleaved rounds, its image checked against its eager twin's, a
+profiled prompt per rung, and the CLI's JSON, plot and traces."""
 import json
 
 import pytest
 
-from sdopt.tools.bench_speed import bench_speed, step_profile_table
+from sdopt.tools.bench_speed import bench_speed, speed_table, step_profile_table
 from sdopt.tools.cli import main
 
 
@@ -28,6 +28,16 @@ def test_rungs_say_what_ran(rows):
     trace, graph = rows[1], rows[2]
     assert "Compile(trace)" in trace.nodes and "SDOptCompile: trace: 1 input signature(s)" in trace.notes
     assert "CUDA graphs need a CUDA device" in graph.notes
+
+
+def test_traced_and_graphed_images_keep_to_their_eager_twin(rows):
+    stock, trace, graph = rows
+    assert stock.eager_twin == "" and stock.within_tolerance is None and stock.max_pixel_diff_vs_eager is None
+    assert trace.eager_twin == graph.eager_twin == "attention"
+    assert trace.within_tolerance and graph.within_tolerance
+    assert graph.max_pixel_diff_vs_eager == 0, "on a CPU the graph node passes through: its image is its twin's"
+    table = speed_table(rows)
+    assert "— (eager)" in table and table.count(" ok (attention)") == 2 and "tolerance: at most 16 levels" in table
 
 
 def test_each_rung_has_a_step_profile_beside_its_steady_step(rows):
