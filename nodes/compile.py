@@ -39,8 +39,13 @@ class SDOptCompile:
         config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         reason = unavailable_reason(config, model.load_device)
-        fix = "install it, pick trace, or set on_unavailable to fallback"
-        m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "mode/backend", fix, compile_config=config)
+        if backend == "cudagraphs":
+            fix = "pick backend inductor, aot_eager or eager, or mode trace"
+        else:
+            needed = "triton" if model.load_device.type == "cuda" else "g++ or clang++"
+            fix = f"install {needed}, or pick backend aot_eager or eager, or mode trace"
+        fix += " (or set on_unavailable to fallback to run eager)"
+        m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "backend", fix, compile_config=config)
         if path_note is not None:
             how = "compiles on the first steps" if mode != "trace" else "traced per resolution; not frozen, since ComfyUI may patch weights in place"
             glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, how])))

@@ -176,6 +176,22 @@ def _quiet_logging():
         logging.disable(logging.NOTSET)
 
 
+@contextlib.contextmanager
+def _quiet_user_errors(user_errors: tuple[type, ...]):
+    """ComfyUI logs a failing node's exception with its traceback; where the exception is a
+    ``UserError`` the runner prints its one line instead. Every other exception is logged as ever."""
+
+    def outside_user_error(_record) -> bool:
+        return not isinstance(sys.exc_info()[1], user_errors)
+
+    root = logging.getLogger()
+    root.addFilter(outside_user_error)
+    try:
+        yield
+    finally:
+        root.removeFilter(outside_user_error)
+
+
 def _check_comfyui(path: Path | None) -> Path:
     if path is None:
         raise UserError("ComfyUI not found: pass --comfyui /path/to/ComfyUI or set COMFYUI_PATH")
@@ -327,11 +343,12 @@ class ComfyHost:
         outputs = self._validate(prompt_id, prompt)
         self._server.events.clear()
         # ComfyUI writes is_changed results into the prompt it runs, so it gets a copy.
-        asyncio.run(
-            self._executor.execute_async(
-                copy.deepcopy(prompt), prompt_id, extra_data={"client_id": CLIENT_ID}, execute_outputs=outputs
+        with _quiet_user_errors((UserError, self.pack("errors").UserError)):
+            asyncio.run(
+                self._executor.execute_async(
+                    copy.deepcopy(prompt), prompt_id, extra_data={"client_id": CLIENT_ID}, execute_outputs=outputs
+                )
             )
-        )
         if not self._executor.success:
             raise UserError(self._failure_message())
         history = self._executor.history_result["outputs"]
@@ -348,10 +365,10 @@ class ComfyHost:
     def _failure_message(self) -> str:
         for event, data in reversed(self._server.events):
             if event == "execution_error":
-                return (
-                    f"node {data['node_id']} ({data['node_type']}) failed: "
-                    f"{data['exception_type']}: {data['exception_message'].strip()}"
-                )
+                where, message = f"node {data['node_id']} ({data['node_type']})", data["exception_message"].strip()
+                if data["exception_type"] == f"{UserError.__module__}.{UserError.__qualname__}":
+                    return f"{where}: {message}"
+                return f"{where} failed: {data['exception_type']}: {message}"
             if event == "execution_interrupted":
                 return f"the run was interrupted at node {data['node_id']} ({data['node_type']})"
         return "the workflow failed (see ComfyUI's log above)"

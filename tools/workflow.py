@@ -7,6 +7,7 @@ headless runner builds from the live node classes and the unit tests from fixtur
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ SEED_CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 NOTE_TYPES = {"Note", "MarkdownNote"}
 REROUTE_TYPE = "Reroute"
 PRIMITIVE_TYPE = "PrimitiveNode"
+BOOLEAN_TEXT = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 MODE_MUTED = 2
 MODE_BYPASSED = 4
 _UNCONNECTED = object()
@@ -48,10 +50,16 @@ def is_api_format(data: dict) -> bool:
     return bool(data) and all(isinstance(node, dict) and "class_type" in node for node in data.values())
 
 
-def _is_widget(spec) -> bool:
-    """Whether an input spec is drawn as a widget (and so has a slot in widgets_values)."""
+def _spec_parts(spec) -> tuple:
+    """(type, options) of an input spec such as ``("INT", {"default": 20})``."""
     kind = spec[0] if isinstance(spec, (list, tuple)) and spec else spec
     options = spec[1] if isinstance(spec, (list, tuple)) and len(spec) > 1 and isinstance(spec[1], dict) else {}
+    return kind, options
+
+
+def _is_widget(spec) -> bool:
+    """Whether an input spec is drawn as a widget (and so has a slot in widgets_values)."""
+    kind, options = _spec_parts(spec)
     if options.get("forceInput"):
         return False
     return isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES
@@ -188,8 +196,35 @@ def apply_overrides(prompt: dict, overrides: list[str], definitions: dict) -> di
                     f"--set {text!r}: {node['class_type']} has no input {name!r} "
                     f"(its inputs: {', '.join(known) or 'none'})"
                 )
-            node["inputs"][name] = value
+            node["inputs"][name] = typed_value(f"{target}.{name}", known[name], value, text.partition("=")[2])
     return prompt
+
+
+def typed_value(setting: str, spec, value, raw: str):
+    """``value`` (``raw`` read as JSON, else the text itself) as the input ``spec`` takes it.
+
+    ComfyUI converts widget values with ``bool()`` and ``int()``, so ``False`` given as text would run
+    as True and 2.7 steps as 2. A BOOLEAN input takes true/false, 1/0, yes/no or on/off (any case), an
+    INT a whole number, a FLOAT a finite number; anything else is a ``UserError`` naming ``--set setting``.
+    A STRING input takes the text as written (``true`` stays the word, not JSON's boolean).
+    """
+    kind, options = _spec_parts(spec)
+    if kind == "STRING":
+        return raw
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind == "BOOLEAN":
+        if str(value).lower() not in BOOLEAN_TEXT:
+            raise UserError(f"--set {setting}: {raw!r} is not a boolean: write true or false (or 1/0, yes/no, on/off)")
+        return BOOLEAN_TEXT[str(value).lower()]
+    if kind == "INT":
+        if not number or value != int(value):
+            raise UserError(f"--set {setting}: {raw!r} is not a whole number: write e.g. --set {setting}={options.get('default', 1)}")
+        return int(value)
+    if kind == "FLOAT":
+        if not number:
+            raise UserError(f"--set {setting}: {raw!r} is not a number: write e.g. --set {setting}={options.get('default', 1.0)}")
+        return float(value)
+    return value
 
 
 def validation_message(node_id: str, class_type: str, reason: dict, checkpoint_folders: list[str]) -> str:

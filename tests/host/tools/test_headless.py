@@ -1,6 +1,9 @@
-"""``sdopt run --vram-cap`` in real ComfyUI: the cap's line on stderr and in the report, on a GPU in
-force, on a CPU ignored without failing the run."""
+"""``sdopt run`` in real ComfyUI: ``--vram-cap``'s line on stderr and in the report (on a GPU in
+force, on a CPU ignored without failing the run), and a node's UserError as one line on stderr."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,3 +32,17 @@ def test_run_with_a_vram_cap_says_so_in_the_report(comfy_host, tmp_path, capsys,
     assert line in printed.out, "the profile table shows the report's notes"
     assert any(line in note for note in json.loads(report.read_text())["notes"])
     assert comfy_host.host.vram_cap_bytes == (2 * 2**30 if torch.cuda.is_available() else None)
+
+
+def test_a_mistake_found_while_running_is_one_line_without_a_traceback(comfy_host, tmp_path):
+    command = [
+        sys.executable, "-m", "sdopt", "run", str(comfy_host.WORKFLOWS / "sd15_baseline.json"),
+        "--comfyui", str(comfy_host.host.path), "--models", str(comfy_host.models), "--out", str(tmp_path / "out"),
+        *(arg for setting in [*comfy_host.SMALL, "SDOptProfiler.label="] for arg in ("--set", setting)),
+    ]
+    done = subprocess.run(command, cwd=tmp_path, env=os.environ.copy(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-4000:]
+    assert "Traceback" not in done.stderr and "Exception during processing" not in done.stderr, done.stderr[-4000:]
+    assert done.stderr.rstrip().endswith(
+        "sdopt: error: node 10 (SDOptProfiler): label: it is empty; give the runs a name, e.g. 'baseline'"
+    ), done.stderr[-4000:]

@@ -1,12 +1,15 @@
 """tools.headless without ComfyUI: ComfyHost booted over fake ComfyUI modules (which PromptExecutor
-arguments it passes), and the stand-in server's events and failure messages. The host tier boots the
-real ComfyUI."""
+arguments it passes), the stand-in server's events and failure messages, and the log of a node's
+UserError kept quiet. The host tier boots the real ComfyUI."""
 import enum
+import logging
 import sys
+import traceback
 import types
 
 import pytest
 
+from sdopt.errors import UserError
 from sdopt.nodes import glue
 from sdopt.tools import headless
 
@@ -111,8 +114,29 @@ def test_failure_messages(monkeypatch):
     host._server.events.append(("execution_interrupted", {"node_id": "4", "node_type": "KSampler"}))
     assert host._failure_message() == "the run was interrupted at node 4 (KSampler)"
     host._server.events.append(("execution_error", {"node_id": "9", "node_type": "SDOptPrecision",
-                                                    "exception_type": "UserError", "exception_message": "weight_dtype: no\n"}))
-    assert host._failure_message() == "node 9 (SDOptPrecision) failed: UserError: weight_dtype: no"
+                                                    "exception_type": "sdopt.UserError", "exception_message": "weight_dtype: no\n"}))
+    assert host._failure_message() == "node 9 (SDOptPrecision): weight_dtype: no", "a mistake reads as its one line"
+    host._server.events.append(("execution_error", {"node_id": "3", "node_type": "KSampler",
+                                                    "exception_type": "RuntimeError", "exception_message": "shape mismatch\n"}))
+    assert host._failure_message() == "node 3 (KSampler) failed: RuntimeError: shape mismatch"
+
+
+class PackUserError(Exception):
+    """The pack's UserError as ComfyUI loads it: a class of its own, apart from ``sdopt.errors``'."""
+
+
+@pytest.mark.parametrize("error,logged", [(UserError("x: bad"), False), (PackUserError("x: bad"), False), (RuntimeError("crash"), True)])
+def test_comfyuis_log_of_a_node_error_is_quiet_for_user_errors_only(caplog, error, logged):
+    with headless._quiet_user_errors((UserError, PackUserError)):
+        try:
+            raise error
+        except Exception:
+            logging.error("!!! Exception during processing !!!")
+            logging.error(traceback.format_exc())
+    assert bool(caplog.records) is logged
+    assert ("Traceback" in caplog.text) is logged
+    logging.error("after the run")
+    assert "after the run" in caplog.text, "the filter goes with the run"
 
 
 GiB = 2**30

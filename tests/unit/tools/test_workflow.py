@@ -165,6 +165,64 @@ def test_bad_overrides_are_one_line_errors(baseline, definitions, override, patt
     assert prompt == before
 
 
+FLAGS = {"Flags": {"input": {"required": {"dynamic": ("BOOLEAN", {"default": False}), "steps": ("INT", {"default": 20}),
+                                            "cfg": ("FLOAT", {"default": 8.0}), "text": ("STRING", {"multiline": True})}}}}
+
+
+def _flags(override):
+    prompt = {"1": {"class_type": "Flags", "inputs": {}}}
+    return apply_overrides(prompt, [override], FLAGS)["1"]["inputs"]
+
+
+@pytest.mark.parametrize(
+    "raw,flag",
+    [("true", True), ("False", False), ("TRUE", True), ("1", True), ("0", False), ("yes", True), ("No", False),
+     ("on", True), ("OFF", False), ('"false"', False)],
+)
+def test_boolean_overrides_become_real_booleans(raw, flag):
+    assert _flags(f"Flags.dynamic={raw}")["dynamic"] is flag
+
+
+@pytest.mark.parametrize(
+    "override,value",
+    [("Flags.steps=3", 3), ("Flags.steps=3.0", 3), ("Flags.cfg=7", 7.0), ("Flags.cfg=7.5", 7.5)],
+)
+def test_number_overrides_keep_their_type(override, value):
+    name = override.split(".")[1].split("=")[0]
+    assert _flags(override)[name] == value and type(_flags(override)[name]) is type(value)
+
+
+@pytest.mark.parametrize("raw", ["true", "20", "null", '"quoted"', "a cat, 4k"])
+def test_string_overrides_keep_the_text_as_written(raw):
+    assert _flags(f"Flags.text={raw}")["text"] == raw
+
+
+@pytest.mark.parametrize(
+    "override,pattern",
+    [
+        ("Flags.dynamic=maybe", r"^--set Flags.dynamic: 'maybe' is not a boolean: write true or false \(or 1/0, yes/no, on/off\)$"),
+        ("Flags.dynamic=2", r"^--set Flags.dynamic: '2' is not a boolean"),
+        ("Flags.dynamic=", r"^--set Flags.dynamic: '' is not a boolean"),
+        ("Flags.steps=abc", r"^--set Flags.steps: 'abc' is not a whole number: write e.g. --set Flags.steps=20$"),
+        ("Flags.steps=2.5", r"^--set Flags.steps: '2.5' is not a whole number"),
+        ("Flags.steps=true", r"^--set Flags.steps: 'true' is not a whole number"),
+        ("Flags.cfg=high", r"^--set Flags.cfg: 'high' is not a number: write e.g. --set Flags.cfg=8.0$"),
+        ("Flags.cfg=NaN", r"^--set Flags.cfg: 'NaN' is not a number"),
+    ],
+)
+def test_overrides_of_the_wrong_type_are_one_line_errors(override, pattern):
+    with pytest.raises(UserError, match=pattern):
+        _flags(override)
+
+
+def test_ksampler_numbers_are_checked_against_its_definition(baseline, definitions):
+    prompt = ui_to_api(baseline, definitions)
+    with pytest.raises(UserError, match=r"^--set KSampler.steps: 'abc' is not a whole number: write e.g. --set KSampler.steps=20$"):
+        apply_overrides(prompt, ["KSampler.steps=abc"], definitions)
+    apply_overrides(prompt, ["KSampler.cfg=6", "KSampler.seed=7"], definitions)
+    assert prompt["3"]["inputs"]["cfg"] == 6.0 and prompt["3"]["inputs"]["seed"] == 7
+
+
 def test_invalid_json_names_the_position(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"nodes": [,]}')
