@@ -6,6 +6,10 @@ Host-independent: a host (the ComfyUI nodes, a diffusers loop, the benches) driv
 memory is the CUDA allocator's peak on CUDA and the process peak RSS (VmHWM) on CPU. Where a host
 maps device memory past the allocator (ComfyUI 0.38's dynamic VRAM), it passes a probe of that
 memory, sampled at the start, every step and the end, and the run reports its peak beside.
+
+The steady rate leaves out the first step and every step marked warm-up: a host that compiles or
+captures a CUDA graph during a step says so through ``warm_up``, and that step stays in the step
+list with the seconds it spent, apart from the steady rate.
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import contextvars
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,7 +156,7 @@ class RunResult:
     label: str
     sampler_total_s: float
     first_step_s: float
-    steady_it_per_s: float
+    steady_it_per_s: float | None
     steps: list[dict]
     peak_memory_bytes: int
     memory_kind: str
@@ -160,16 +164,24 @@ class RunResult:
     memory_note: str = ""
     optimizations: list[dict] = field(default_factory=list)
     peak_outside_allocator_bytes: int | None = None
+    steady_steps: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def steady_it_per_s(step_seconds: list[float]) -> float:
-    """Iterations per second after the warm-up step; with one step, that step's rate."""
-    steady = step_seconds[1:] or step_seconds
-    total = sum(steady)
-    return len(steady) / total if total > 0 else 0.0
+def steady_steps(step_count: int, warmup: Collection[int] = ()) -> list[int]:
+    """The steps a steady rate is measured on: those after the first that are not warm-up; where
+    there are none, the first step unless it is warm-up itself; else none."""
+    later = [i for i in range(1, step_count) if i not in warmup]
+    return later or ([0] if step_count and 0 not in warmup else [])
+
+
+def steady_it_per_s(step_seconds: list[float], warmup: Collection[int] = ()) -> float | None:
+    """Iterations per second over ``steady_steps``; None where no step is left to measure."""
+    chosen = steady_steps(len(step_seconds), warmup)
+    total = sum(step_seconds[i] for i in chosen)
+    return len(chosen) / total if total > 0 else None
 
 
 class SamplingRun:
@@ -188,6 +200,7 @@ class SamplingRun:
         self.optimizations: list[dict] = [dict(o) for o in optimizations]
         self._timeline = Timeline(self.device)
         self._step_marks = 0
+        self._warmup: dict[int, dict[str, float]] = {}
         self._reading: MemoryReading | None = None
         self._finished = False
 
@@ -209,6 +222,12 @@ class SamplingRun:
         self._step_marks += 1
         self.memory.sample()
 
+    def warm_up(self, kind: str, seconds: float) -> None:
+        """Mark the step in progress as warm-up: it spent ``seconds`` on ``kind`` (``compile``,
+        ``capture``), so the steady rate leaves it out."""
+        spent = self._warmup.setdefault(self._step_marks, {})
+        spent[kind] = spent.get(kind, 0.0) + seconds
+
     def finish(self) -> None:
         self._timeline.mark()
         self._finished = True
@@ -227,14 +246,15 @@ class SamplingRun:
             label=self.label,
             sampler_total_s=sum(intervals),
             first_step_s=steps[0] if steps else 0.0,
-            steady_it_per_s=steady_it_per_s(steps),
-            steps=[{"index": i, "seconds": s} for i, s in enumerate(steps)],
+            steady_it_per_s=steady_it_per_s(steps, self._warmup),
+            steps=[{"index": i, "seconds": s, "warmup": dict(self._warmup.get(i, {}))} for i, s in enumerate(steps)],
             peak_memory_bytes=reading.peak_bytes,
             memory_kind=reading.kind,
             peak_reserved_bytes=reading.reserved_bytes,
             memory_note=reading.note,
             optimizations=[dict(o) for o in self.optimizations],
             peak_outside_allocator_bytes=reading.outside_allocator_bytes,
+            steady_steps=steady_steps(len(steps), self._warmup),
         )
 
 

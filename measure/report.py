@@ -95,6 +95,23 @@ def _memory(bytes_: int | None, kind: str, outside_allocator: int | None = None)
     return f"{format_mib(bytes_)} ({MEMORY_LABELS.get(kind, kind)}){outside}"
 
 
+def _steady(run: dict) -> str:
+    """The steady rate, flagged where no step after the first was free of warm-up."""
+    rate = run["steady_it_per_s"]
+    if rate is None:
+        return "-"
+    return f"{rate:.2f}" + (" (first step only)" if run.get("steady_steps") == [0] else "")
+
+
+def _warmup_steps(run: dict) -> str:
+    """The steps left out of the steady rate for compiling or capturing, with the seconds of each."""
+    spent = [
+        f"{step['index']}: " + ", ".join(f"{kind} {seconds:.1f} s" for kind, seconds in step["warmup"].items())
+        for step in run["steps"] if step.get("warmup")
+    ]
+    return "; ".join(spent) or "-"
+
+
 def render_markdown(report: Report) -> str:
     lines = [f"sdopt profile: device {report.device}, torch {report.torch}, ComfyUI {report.comfyui or '-'}", ""]
     lines += [*report.notes, ""] if report.notes else []
@@ -102,15 +119,15 @@ def render_markdown(report: Report) -> str:
         lines.append("No sampling run was profiled (is SDOptProfiler on the MODEL path?).")
     else:
         lines += markdown_table(
-            ["run", "steps", "first step s", "steady it/s", "sampler total s", "peak memory MiB"],
+            ["run", "steps", "first step s", "steady it/s", "warm-up steps", "sampler total s", "peak memory MiB"],
             [
                 [
-                    run["label"], len(run["steps"]), f"{run['first_step_s']:.3f}", f"{run['steady_it_per_s']:.2f}",
+                    run["label"], len(run["steps"]), f"{run['first_step_s']:.3f}", _steady(run), _warmup_steps(run),
                     f"{run['sampler_total_s']:.3f}", _memory(run["peak_memory_bytes"], run["memory_kind"], run.get("peak_outside_allocator_bytes")),
                 ]
                 for run in report.runs
             ],
-            right={1, 2, 3, 4, 5},
+            right={1, 2, 3, 5, 6},
         )
     records = [(run["label"], o) for run in report.runs for o in run.get("optimizations", [])]
     records += [("(outside sampling)", o) for o in report.optimizations]
@@ -160,9 +177,19 @@ def render_chart(report: Report, path: str | Path) -> Path:
             else:
                 ax.text(0.5, 0.5, "no per-node figures on this ComfyUI", ha="center", va="center", transform=ax.transAxes)
                 ax.set_axis_off()
+        warmed = False
         for run in report.runs:
-            steps_ax.plot([s["index"] for s in run["steps"]], [s["seconds"] for s in run["steps"]], marker="o", label=run["label"])
-        steps_ax.set_title("Time per sampler step (s)", loc="left")
+            (line,) = steps_ax.plot([s["index"] for s in run["steps"]], [s["seconds"] for s in run["steps"]], marker="o", label=run["label"])
+            for step in (s for s in run["steps"] if s.get("warmup")):
+                warmed = True
+                steps_ax.plot(step["index"], step["seconds"], marker="X", markersize=11, color=line.get_color())
+                steps_ax.annotate(" + ".join(step["warmup"]), (step["index"], step["seconds"]), xytext=(7, 0),
+                                  textcoords="offset points", va="center", fontsize="small")
+        if warmed:
+            # a compile step can be a hundred steady steps long: on a linear axis the steady ones flatten out
+            steps_ax.set_yscale("log")
+        title = "Time per sampler step (s, log; X: warm-up, not in steady it/s)" if warmed else "Time per sampler step (s)"
+        steps_ax.set_title(title, loc="left")
         steps_ax.set_xlabel("step")
         steps_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if report.runs:

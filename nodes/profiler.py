@@ -52,8 +52,8 @@ def _sampler_sample(executor, *args, **kwargs):
 
 class SDOptProfiler:
     DESCRIPTION = (
-        "Profiles every sampling run of this model: sampler total time, per-step times (first step apart from the "
-        "steady state), and peak memory (VRAM on CUDA, process RAM on CPU). Put it last on the MODEL path and add an "
+        "Profiles every sampling run of this model: sampler total time, per-step times, steady it/s (without the first "
+        "step and the steps in which sdopt compiled or captured a CUDA graph), and peak memory (VRAM on CUDA, process RAM on CPU). Put it last on the MODEL path and add an "
         "'sdopt Profile Report' node after the sampler to see the results."
     )
     CATEGORY = "sdopt"

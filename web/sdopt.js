@@ -79,7 +79,9 @@ function renderReport(data) {
       ["run", (r) => r.label],
       ["steps", (r) => r.steps?.length ?? "–", true],
       ["first step s", (r) => fixed(r.first_step_s, 3), true],
-      ["steady it/s", (r) => fixed(r.steady_it_per_s, 2), true],
+      ["steady it/s", (r) => fixed(r.steady_it_per_s, 2) + (r.steady_steps?.length === 1 && r.steady_steps[0] === 0 ? " (first step only)" : ""), true],
+      ["warm-up steps", (r) => (r.steps ?? []).filter((s) => s.warmup && Object.keys(s.warmup).length)
+        .map((s) => `${s.index}: ` + Object.entries(s.warmup).map(([kind, sec]) => `${kind} ${fixed(sec, 1)} s`).join(", ")).join("; ") || "–"],
       ["sampler total s", (r) => fixed(r.sampler_total_s, 3), true],
       ["peak memory MiB", (r) => `${mib(r.peak_memory_bytes)} ${MEMORY[r.memory_kind] ?? r.memory_kind ?? ""}`, true],
     ], runs));

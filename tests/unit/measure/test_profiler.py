@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from sdopt.measure import profiler
-from sdopt.measure.profiler import MEMORY_LABELS, MEMORY_RAM, MEMORY_VRAM, PeakMemory, SamplingRun, format_mib, steady_it_per_s
+from sdopt.measure.profiler import MEMORY_LABELS, MEMORY_RAM, MEMORY_VRAM, PeakMemory, SamplingRun, format_mib, steady_it_per_s, steady_steps
 from sdopt.measure.record import record
 
 MIB = 1024 * 1024
@@ -33,13 +33,45 @@ def test_steps_first_step_and_total():
     assert result.first_step_s == seconds[0]
     assert result.sampler_total_s > sum(seconds), "the tail after the last step belongs to the total only"
     assert result.steady_it_per_s == pytest.approx(3 / sum(seconds[1:]))
+    assert result.steady_steps == [1, 2, 3] and all(s["warmup"] == {} for s in result.steps)
     assert result.memory_kind == MEMORY_RAM
 
 
 def test_steady_rate_with_one_step_uses_that_step():
     assert steady_it_per_s([0.5]) == 2.0
-    assert steady_it_per_s([]) == 0.0
+    assert steady_it_per_s([]) is None, "no step: no rate"
     assert steady_it_per_s([9.0, 0.25, 0.25]) == 4.0
+
+
+def test_steady_rate_leaves_out_warm_up_steps():
+    assert steady_it_per_s([0.5, 40.0, 0.25, 0.25], warmup={1}) == 4.0
+    assert steady_steps(4, {1}) == [2, 3]
+    assert steady_it_per_s([0.5, 40.0], warmup={1}) == 2.0 and steady_steps(2, {1}) == [0], (
+        "no later step free of warm-up: the first step, which the report flags"
+    )
+    assert steady_it_per_s([30.0, 0.2, 0.2], warmup={0}) == 5.0 and steady_steps(3, {0}) == [1, 2]
+    assert steady_it_per_s([30.0], warmup={0}) is None and steady_steps(1, {0}) == [], "every step warm-up: no rate"
+
+
+def test_a_step_marked_warm_up_stays_in_the_steps_and_out_of_the_steady_rate():
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        run.start()
+        for index in range(4):
+            if index == 1:
+                run.warm_up("compile", 2.5)
+                run.warm_up("compile", 0.5)
+                run.warm_up("capture", 0.25)
+            _busy()
+            run.step()
+        run.warm_up("compile", 9.0)  # after the last step: in the total only
+        run.finish()
+    result = run.result()
+    seconds = [s["seconds"] for s in result.steps]
+    assert [s["warmup"] for s in result.steps] == [{}, {"compile": 3.0, "capture": 0.25}, {}, {}]
+    assert result.steady_steps == [2, 3]
+    assert result.steady_it_per_s == pytest.approx(2 / (seconds[2] + seconds[3]))
+    assert result.first_step_s == seconds[0]
 
 
 def test_result_before_finish_raises():

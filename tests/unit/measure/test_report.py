@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sdopt.measure import report as report_module
-from sdopt.measure.profiler import SamplingRun
+from sdopt.measure.profiler import SamplingRun, steady_it_per_s
 from sdopt.measure.report import CHART_MISSING, SCHEMA_VERSION, Report, markdown_table
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "report-schema.md"
@@ -41,7 +41,8 @@ def test_json_has_the_documented_fields_and_types(report, tmp_path):
     for key in ("sampler_total_s", "first_step_s", "steady_it_per_s"):
         assert isinstance(run[key], float)
     assert isinstance(run["peak_memory_bytes"], int) and run["memory_kind"] in ("vram_allocated", "ram_rss")
-    assert set(run["steps"][0]) == {"index", "seconds"}
+    assert set(run["steps"][0]) == {"index", "seconds", "warmup"} and run["steps"][0]["warmup"] == {}
+    assert run["steady_steps"] == [1, 2]
     assert set(run["optimizations"][0]) == {"node", "requested", "active", "note"}
     assert set(data["nodes"][0]) == {"id", "class_type", "seconds", "peak_memory_bytes"}
     assert set(data["optimizations"][0]) == {"node", "requested", "active", "note"}
@@ -95,7 +96,7 @@ def test_markdown_tables_right_align_the_numbers(report):
     lines = report.markdown().splitlines()
     rules = [line for line in lines if line.startswith("| ---")]
     assert rules == [
-        "| --- | ---: | ---: | ---: | ---: | ---: |",  # runs: label left, numbers right
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: |",  # runs: label and warm-up steps left, numbers right
         "| --- | --- | --- | --- | --- |",  # records: text
         "| --- | --- | ---: | ---: |",  # nodes: id and class left, seconds and memory right
     ]
@@ -165,3 +166,37 @@ def test_markdown_adds_dynamic_vram_beside_the_allocator_peak(report):
     fp16, baseline = ([line for line in lines if line.startswith(f"| {label} ") and "(RAM)" in line] for label in ("fp16", "baseline"))
     assert len(fp16) == 1 and fp16[0].rstrip(" |").endswith("(RAM) + 1,536.0 dynamic VRAM")
     assert len(baseline) == 1 and "dynamic VRAM" not in baseline[0]
+
+
+def _warmed_up_run(label: str, seconds: list[float], warmup: dict[int, dict[str, float]]) -> dict:
+    """A run's dict as the profiler files it, with ``warmup`` ({step: {kind: seconds}}) marked."""
+    run = SamplingRun(label, "cpu")
+    with run.memory_scope():
+        run.start()
+        for index in range(len(seconds)):
+            for kind, spent in warmup.get(index, {}).items():
+                run.warm_up(kind, spent)
+            run.step()
+        run.finish()
+    data = run.result().to_dict()
+    for step, spent in zip(data["steps"], seconds):
+        step["seconds"] = spent
+    data["first_step_s"], data["steady_it_per_s"] = seconds[0], steady_it_per_s(seconds, warmup)
+    return data
+
+
+def test_markdown_shows_warm_up_steps_apart_from_the_steady_rate():
+    steady = _warmed_up_run("compiled", [0.5, 12.0, 0.25, 0.25], {1: {"compile": 11.5}})
+    first_only = _warmed_up_run("two steps", [0.5, 12.0], {1: {"compile": 11.5}})
+    none_left = _warmed_up_run("graphed", [3.0], {0: {"compile": 2.0, "capture": 0.5}})
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in Report(device="cpu", runs=[steady, first_only, none_left]).markdown().splitlines()}
+    assert rows["run"][3:5] == ["steady it/s", "warm-up steps"]
+    assert rows["compiled"][3:5] == ["4.00", "1: compile 11.5 s"]
+    assert rows["two steps"][3:5] == ["2.00 (first step only)", "1: compile 11.5 s"]
+    assert none_left["steady_it_per_s"] is None and rows["graphed"][3:5] == ["-", "0: compile 2.0 s, capture 0.5 s"]
+
+
+def test_chart_marks_warm_up_steps(tmp_path):
+    runs = [_warmed_up_run("compiled", [0.5, 12.0, 0.25, 0.25], {1: {"compile": 11.5}})]
+    path = Report(device="cpu", runs=runs).save_chart(tmp_path / "warm.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC
