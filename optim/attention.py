@@ -543,17 +543,24 @@ class _PerSignature:
         self._on_decision = on_decision
         self._decisions: dict[str, AttentionDecision] = {}
         self._functions: dict[str, AttentionFn] = {}
+        self._picks: set[str] = set()
 
     @property
     def decisions(self) -> list[AttentionDecision]:
         return list(self._decisions.values())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if len(self._picks) == 1 and torch.compiler.is_compiling():
+            # One backend for every shape so far: looking the shape up would guard on it, and a
+            # dynamic-shape compile would then recompile per resolution.
+            (picked,) = self._picks
+            return self._function(picked)(q, k, v, mask)
         # a tuple of shapes, not the readable string: torch.compile traces this lookup on every call
         key = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else (mask.shape, mask.dtype))
         decision = self._decisions.get(key)
         if decision is None:
             decision = self._decisions[key] = self._decide(signature(q, k, v, mask), q, k, v, mask)
+            self._picks.add(decision.picked)
             if self._on_decision is not None:
                 self._on_decision(decision)
         return self._function(decision.picked)(q, k, v, mask)
