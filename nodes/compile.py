@@ -13,7 +13,7 @@ ON_UNAVAILABLE = ("fallback", "error")
 class SDOptCompile:
     DESCRIPTION = (
         "Compiles the diffusion model on its first step: compile (torch.compile of the whole UNet), "
-        "compile_regional (each repeated block compiled once, a fraction of the compile time) or trace "
+        "compile_regional (each repeated block class compiled and shared by its instances) or trace "
         "(torch.jit.trace). Steps, seed, sampler, scheduler, CFG and prompt never recompile; a new resolution "
         "compiles once. LoRA and other weight changes are used without recompiling. Compiled code is cached on "
         "disk per architecture, torch version and settings (python -m sdopt cache list|purge). Put sdopt CUDA "
@@ -27,7 +27,7 @@ class SDOptCompile:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
-            "mode": (list(MODES), {"default": "compile", "tooltip": "compile: whole UNet. compile_regional: repeated blocks, much faster to compile. trace: torch.jit.trace per resolution."}),
+            "mode": (list(MODES), {"default": "compile", "tooltip": "compile: whole UNet. compile_regional: each repeated block class, once per weight shape and block position; on SD1.5 it saves little compile time and recompiles per resolution, it pays off where repeated blocks share one shape. trace: torch.jit.trace per resolution."}),
             "backend": (list(BACKENDS), {"default": "inductor", "tooltip": "torch.compile backend (compile modes only)."}),
             "compile_mode": (list(COMPILE_MODES), {"default": "default", "tooltip": "inductor mode. Prefer default or max-autotune-no-cudagraphs with sdopt CUDA Graph: reduce-overhead makes its own graphs."}),
             "dynamic": ("BOOLEAN", {"default": False, "tooltip": "Dynamic shapes: one compile for all resolutions, slower code."}),

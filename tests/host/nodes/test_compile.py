@@ -91,10 +91,11 @@ def with_lora(model, lora_name, strength):
     return nodes.LoraLoaderModelOnly().load_lora_model_only(model, lora_name, strength)[0]
 
 
-@pytest.mark.parametrize("mode", ["compile", "trace"])
-def test_a_lora_and_its_strength_changes_are_followed_without_recompiling(comfy_host, mini, lora, mode):
+# regional compile through aot_eager: its many small graphs would take inductor a minute here
+@pytest.mark.parametrize("mode,backend", [("compile", "inductor"), ("trace", "inductor"), ("compile_regional", "aot_eager")])
+def test_a_lora_and_its_strength_changes_are_followed_without_recompiling(comfy_host, mini, lora, mode, backend):
     model, stock = mini
-    patched = compiled(comfy_host, model, mode)
+    patched = compiled(comfy_host, model, mode, backend)
     assert close(comfy_host.sample(patched), stock)
     compilations = None
     for strength in (1.0, 0.5):
