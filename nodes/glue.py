@@ -411,8 +411,6 @@ class FastPath:
         self.cache_root = cache_root
         self.runners: dict[tuple, tuple] = {}
         self.eager_reasons: dict[str, int] = {}
-        self.warm_start: bool | None = None
-        self.cold_compile_seconds: float | None = None
         self.nchw_conv_bytes = 0
         self.cache_saved = None
         self.requested: dict[str, str] = {}
@@ -443,8 +441,8 @@ class FastPath:
             self.nchw_conv_bytes = nchw_conv_weight_bytes(unet, self.compile_config)
             if self.compile_config.mode != "trace":
                 cache = ArtifactCache.for_module(unet, self.compile_config, self.cache_root)
-                self.warm_start = cache.load()
-                self.cold_compile_seconds = cache.cold_compile_seconds()
+                cache.load()
+                fn = cache.wrap(compiled)  # every call, recompiles too, with torch's compiler caches in sdopt's entry
         graphed = None
         if self.graph_config is not None:
             graphed = GraphedFunction(fn, module_weights(unet), self.graph_config)
@@ -458,17 +456,32 @@ class FastPath:
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
             return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
         options = {name: transformer_options[name] for name in _KEPT_OPTIONS if name in transformer_options}
-        fn, compiled, _graphed, cache = self._runner(executor.class_obj, options)
-        compilations = compiled.stats.compilations if compiled else 0
+        fn, compiled, graphed, cache = self._runner(executor.class_obj, options)
+        before = _warmup_counters(compiled, graphed)
         with _malloc_graph_paused():
             output = fn(x, timesteps, context, y)
-        if cache is not None and compiled.stats.compilations > compilations:
+        compilations, compile_s, captures, capture_s = (now - then for now, then in zip(_warmup_counters(compiled, graphed), before))
+        if cache is not None and compilations:
             self.cache_saved = cache.save(compiled.stats.compile_seconds)
+        run = active_run()
+        if run is not None and compilations:
+            run.warm_up("compile", compile_s)
+        if run is not None and captures:
+            # the capture's warm-up runs call the compiled forward: a compile in this call lies
+            # inside the capture's time, and is counted once, above
+            run.warm_up("capture", capture_s - compile_s)
         return output
 
     def stats(self) -> tuple[list, list]:
         runners = [entry[2:] for entry in self.runners.values()]
         return [c.stats for c, _, _ in runners if c], [g.stats for _, g, _ in runners if g]
+
+
+def _warmup_counters(compiled, graphed) -> tuple[int, float, int, float]:
+    """(compilations, compile seconds, captures, capture seconds) of a runner so far: a call that
+    raises them is a warm-up step for the profiler."""
+    compiles = (compiled.stats.compilations, compiled.stats.compile_seconds) if compiled else (0, 0.0)
+    return compiles + ((graphed.stats.captures, graphed.stats.capture_seconds) if graphed else (0, 0.0))
 
 
 @contextmanager
@@ -520,8 +533,7 @@ def install_fast_path(model, fast_path: FastPath) -> None:
             compile_stats, graph_stats = fast_path.stats()
             eager = "; ".join(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items())
             if "SDOptCompile" in requested and fast_path.compile_config:
-                cold = f" (the cold compile took {fast_path.cold_compile_seconds:.1f} s)" if fast_path.cold_compile_seconds else ""
-                warm = {True: f"warm start from sdopt's compile cache{cold}", False: "cold start (nothing cached yet)", None: ""}[fast_path.warm_start]
+                warm = "; ".join(dict.fromkeys(filter(None, (cache.note() for *_, cache in fast_path.runners.values() if cache))))
                 layout = (
                     f"{fast_path.nchw_conv_bytes / 2**20:,.0f} MiB of conv weights are stored NCHW, so inductor copies them to "
                     "channels-last on every step: sdopt Precision's channels_last stores them that way once"

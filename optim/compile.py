@@ -7,14 +7,22 @@ once, and every other change runs the cached code. Weights stay inputs in every 
 
 - ``compile``: dynamo lifts parameters to graph inputs, so replaced weights are read, not baked in;
 - ``compile_regional``: each block class that repeats is compiled once and shared by its
-  instances (their ``forward`` is bound to the compiled one only while the call runs);
+  instances (their ``forward`` is bound to the compiled one only while the call runs); instances
+  differ in shape and in the per-block numbers ComfyUI passes along, so unless ``dynamic`` is set
+  those become dynamic on the first difference (torch's automatic dynamic), not one compile each;
 - ``trace``: one trace per input signature; replaced weights are rebound into the trace, and with
   ``freeze`` (weights folded in as constants) the trace is redone, which the stats say.
 
 The first call of each input signature runs eagerly, so lazy set-up in the module stays out of the
-compiled code. ``stats`` counts compilations with their time and dynamo's guard-failure reasons.
-``ArtifactCache`` keeps torch's own compiler artifacts (``torch.compiler.save_cache_artifacts``)
-in a folder per architecture, torch version and settings, so a new process compiles warm.
+compiled code. Each ``CompiledForward`` compiles a private copy of its function's code: dynamo keeps
+compiled entries, its recompile limit and its guard failures per code object, and every model's
+UNet call shares one function. Past that limit a new input signature runs eagerly, and the stats say
+so. ``stats`` counts compilations with their time and the forward's own guard-failure reasons.
+``ArtifactCache`` is a folder per architecture, torch version and settings: while sdopt's compiled
+code runs, torch's own compiler caches (inductor's graphs and kernels, Triton's) are read and written
+there, beside torch's portable artifacts (``torch.compiler.save_cache_artifacts``), so a new process
+compiles warm and deleting the folder makes the next compile cold. Only folders it marked as its own
+are listed or purged.
 """
 from __future__ import annotations
 
@@ -24,8 +32,10 @@ import hashlib
 import importlib.util
 import json
 import os
+import itertools
 import shutil
 import time
+import types
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -62,7 +72,8 @@ class CompileConfig:
         return {
             "backend": self.backend,
             "mode": None if self.compile_mode == "default" or self.backend != "inductor" else self.compile_mode,
-            "dynamic": self.dynamic,
+            # regional blocks meet many shapes in one UNet call: static, each would compile anew
+            "dynamic": True if self.dynamic else (None if self.mode == "compile_regional" else False),
             "fullgraph": self.fullgraph,
         }
 
@@ -106,6 +117,8 @@ class CompileStats:
     recompile_reasons: list[str] = field(default_factory=list)
     weight_rebinds: int = 0
     signatures: set = field(default_factory=set)
+    eager_signatures: set = field(default_factory=set)  # past dynamo's recompile limit
+    recompile_limit: int = 0
 
     @property
     def cache_entries(self) -> int:
@@ -118,6 +131,10 @@ class CompileStats:
             text += "; recompiled because: " + " | ".join(dict.fromkeys(self.recompile_reasons))
         if self.weight_rebinds:
             text += f"; new weights bound {self.weight_rebinds} time(s) without recompiling"
+        if self.eager_signatures:
+            text += (f"; {len(self.eager_signatures)} more input signature(s) ran eagerly: torch's recompile limit "
+                     f"({self.recompile_limit} per compiled model) was reached (raise torch._dynamo.config.recompile_limit, "
+                     "or compile with dynamic)")
         return text
 
 
@@ -149,30 +166,62 @@ def _install_callbacks() -> None:
         callback_handler.register_end_callback(_on_compile_end)
 
 
-def _guard_failure_count() -> int:
+def _guard_failures(codes: tuple[types.CodeType, ...]) -> list[str]:
     from torch._dynamo.utils import guard_failures
 
-    return sum(len(reasons) for reasons in guard_failures.values())
+    return [str(reason) for code in codes for reason in guard_failures.get(code, ())]
 
 
-def _new_guard_failures(before: int) -> list[str]:
-    from torch._dynamo.utils import guard_failures
-
-    every = [reason for reasons in guard_failures.values() for reason in reasons]
-    return [str(reason).split(". ")[0] for reason in every[before:]]
+def _reason_line(reason: str) -> str:
+    """The first sentence of a guard failure: dynamo appends the user's stack trace below it."""
+    return reason.strip().splitlines()[0].split(". ")[0]
 
 
 @contextlib.contextmanager
-def accounted(stats: CompileStats):
-    """Attribute the compilations that happen inside to ``stats``."""
+def accounted(stats: CompileStats, codes: tuple[types.CodeType, ...] = ()):
+    """Attribute the compilations that happen inside to ``stats``, and the guard failures of
+    ``codes`` (the compiled code objects) to its recompile reasons."""
     _install_callbacks()
-    before = _guard_failure_count()
+    before = len(_guard_failures(codes))
     _running.append(stats)
     try:
         yield
     finally:
         _running.pop()
-        stats.recompile_reasons.extend(_new_guard_failures(before))
+        stats.recompile_reasons.extend(_reason_line(r) for r in _guard_failures(codes)[before:])
+
+
+_private_code_ids = itertools.count(1)
+
+
+def with_private_code(fn: types.FunctionType) -> types.FunctionType:
+    """``fn`` over a private copy of its code object, renamed so that it is neither the same object
+    nor equal to the original, which dynamo's per-code bookkeeping (compiled entries, recompile
+    limit, guard failures) would otherwise share. (A ``functools.partial`` would not do: torch
+    compiles it through one wrapper function of its own, shared by every partial in the process.)"""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}__sdopt{next(_private_code_ids)}")
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
+def recompile_limit() -> int:
+    from torch._dynamo import config
+
+    return getattr(config, "recompile_limit", None) or config.cache_size_limit
+
+
+# A block class meets every shape and block position of the UNet in one call, so it needs many
+# entries where a whole-model compile needs one per input signature.
+REGIONAL_RECOMPILE_LIMIT = 64
+
+
+def _recompile_limit_at_least(limit: int):
+    from torch._dynamo import config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{name: max(limit, recompile_limit())})
 
 
 # --- the three modes ----------------------------------------------------------------------------
@@ -242,14 +291,23 @@ class CompiledForward:
         self.stats = CompileStats()
         self.seen: set = set()
         self.traces: OrderedDict[tuple, tuple[torch.jit.ScriptModule, dict]] = OrderedDict()
+        self._codes: tuple[types.CodeType, ...] = ()
         if config.mode == "compile":
-            self._compiled = torch.compile(functools.partial(call, module), **config.torch_compile_kwargs())
+
+            def forward(*inputs):
+                return call(module, *inputs)
+
+            own = with_private_code(forward)
+            self._codes = (own.__code__,)
+            self._compiled = torch.compile(own, **config.torch_compile_kwargs())
         elif config.mode == "compile_regional":
             self.blocks = repeated_blocks(module)
             shared: dict[type, Callable] = {}
             for block in self.blocks:
                 if type(block) not in shared:
-                    shared[type(block)] = torch.compile(type(block).forward, **config.torch_compile_kwargs())
+                    own = with_private_code(type(block).forward)
+                    self._codes += (own.__code__,)
+                    shared[type(block)] = torch.compile(own, **config.torch_compile_kwargs())
             self._block_forwards = [(block, shared[type(block)]) for block in self.blocks]
 
     def __call__(self, *inputs):
@@ -259,6 +317,8 @@ class CompiledForward:
             # runs eagerly once, so the compiled code only meets its steady path and needs no graph break.
             self.seen.add(signature)
             return self.call(self.module, *inputs)
+        if self._past_recompile_limit(signature):
+            return self.call(self.module, *inputs)
         compilations = self.stats.compilations
         try:
             return self._run(inputs)
@@ -266,12 +326,22 @@ class CompiledForward:
             if self.stats.compilations > compilations:
                 self.stats.signatures.add(signature)
 
+    def _past_recompile_limit(self, signature) -> bool:
+        """Whether a new signature must run eagerly because dynamo's limit would turn it away anyway."""
+        if self.config.mode != "compile" or self.config.dynamic or signature in self.stats.signatures:
+            return False
+        self.stats.recompile_limit = recompile_limit()
+        if len(self.stats.signatures) < self.stats.recompile_limit:
+            return False
+        self.stats.eager_signatures.add(signature)
+        return True
+
     def _run(self, inputs: tuple):
-        with accounted(self.stats):
+        with accounted(self.stats, self._codes):
             if self.config.mode == "compile":
                 return self._compiled(*inputs)
             if self.config.mode == "compile_regional":
-                with self._blocks_compiled():
+                with self._blocks_compiled(), _recompile_limit_at_least(REGIONAL_RECOMPILE_LIMIT):
                     return self.call(self.module, *inputs)
             return self._traced(inputs)(*(t for t in inputs if t is not None))
 
@@ -339,81 +409,312 @@ def architecture_hash(module: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+WRITTEN_BY = "sdopt compile cache"  # meta.json's mark: only folders that carry it are listed and purged
+INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_CACHE_VAR = "TRITON_CACHE_DIR"
+
+
+def _timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _torch_default_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir as torch_default
+
+    return os.path.abspath(torch_default())
+
+
+def users_cache_dirs() -> dict[str, str]:
+    """The torch cache variables the user set, which sdopt leaves as they are. torch sets them too,
+    to its defaults, on first use: ``TORCHINDUCTOR_CACHE_DIR`` to /tmp/torchinductor_<user> and
+    ``TRITON_CACHE_DIR`` to <that>/triton/<device>; those values are not the user's."""
+    default = _torch_default_cache_dir()
+    chosen = {}
+    inductor = os.environ.get(INDUCTOR_CACHE_VAR)
+    if inductor and os.path.abspath(inductor) != default:
+        chosen[INDUCTOR_CACHE_VAR] = inductor
+    triton = os.environ.get(TRITON_CACHE_VAR)
+    if triton and os.path.dirname(os.path.abspath(triton)) != os.path.join(default, "triton"):
+        chosen[TRITON_CACHE_VAR] = triton
+    return chosen
+
+
+def _memoized_cache_path_clear() -> Callable[[], None]:
+    """inductor memoizes the path of its benchmark-result cache (``CacheBase.get_local_cache_path``)
+    on first use; clearing it at each switch gives each side of the switch its own."""
+    try:
+        from torch._inductor.codecache import CacheBase
+
+        return CacheBase.get_local_cache_path.cache_clear
+    except (ImportError, AttributeError):
+        return lambda: None
+
+
+class _TorchCacheRouting:
+    """Sets the cache variables for the calls inside and puts back what was there after, as torch's
+    own ``fresh_cache`` does: inductor and Triton read them on every use. Re-entrant."""
+
+    def __init__(self, variables: dict[str, str]):
+        self.variables = variables
+        self.forget_memoized = _memoized_cache_path_clear() if variables else (lambda: None)
+        self.saved: list[dict[str, str | None]] = []
+
+    def __enter__(self):
+        self.saved.append({name: os.environ.get(name) for name in self.variables})
+        os.environ.update(self.variables)
+        self.forget_memoized()
+        return self
+
+    def __exit__(self, *_exc):
+        for name, value in self.saved.pop().items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self.forget_memoized()
+
+
+def _holds_graphs(inductor_dir: str) -> bool:
+    """Whether inductor's FX-graph cache in ``inductor_dir`` has any graph in it."""
+    try:
+        with os.scandir(os.path.join(inductor_dir, "fxgraph")) as entries:
+            return any(entries)
+    except OSError:
+        return False
+
+
+def _graph_cache_lookups(counters: dict) -> tuple[int, int]:
+    """(graphs inductor found in its FX-graph cache, graphs it had to compile) so far in this
+    process, from torch's ``counters``."""
+    inductor = counters["inductor"]
+    return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"]
+
+
+def signature_text(inputs: tuple) -> str:
+    """The input shapes of a call, e.g. ``2x4x64x64, 2, 2x77x768, none (float32)``."""
+    tensors = [t for t in inputs if t is not None]
+    shapes = ", ".join("none" if t is None else "x".join(map(str, t.shape)) or "scalar" for t in inputs)
+    return f"{shapes} ({str(tensors[0].dtype).removeprefix('torch.')})" if tensors else shapes
+
+
 @dataclass
 class ArtifactCache:
-    """torch's compiler artifacts for one architecture, torch version and settings."""
+    """One sdopt cache entry: a folder per architecture, torch version and settings.
+
+    While sdopt's compiled code runs (``torch_caches()``, ``wrap()``), torch's compiler caches are
+    read and written here: inductor's FX graphs and C++/Triton kernels, Triton's cache, dynamo's
+    profiles; so a new process compiles warm, and deleting the folder makes the next compile cold.
+    ``artifacts.bin`` holds torch's portable artifacts (``torch.compiler.save_cache_artifacts``);
+    ``meta.json`` marks the folder as sdopt's and keeps each input signature's last cold compile time.
+    """
 
     root: Path
     key: str
     model: str
     settings: str
+    compiles: dict[str, dict] = field(default_factory=dict, repr=False, compare=False)  # this process's, by signature_text
+    _routing: _TorchCacheRouting | None = field(default=None, init=False, repr=False, compare=False)
+    _users_dirs: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # graphs from earlier runs: without them a compile is cold even where a graph repeated within
+    # this run (a block compiled twice across a graph break) is found in the cache
+    _earlier_graphs: bool = field(default=False, init=False, repr=False, compare=False)
 
     @classmethod
     def for_module(cls, module: torch.nn.Module, config: CompileConfig, root: Path | None = None) -> ArtifactCache:
         arch = architecture_hash(module)
         version = torch.__version__.replace("+", "_")
-        return cls(Path(root or default_cache_dir()), f"{arch}-torch{version}-{config.settings()}", arch, config.settings())
+        return cls(Path(root or default_cache_dir()).absolute(), f"{arch}-torch{version}-{config.settings()}", arch, config.settings())
 
     @property
     def folder(self) -> Path:
         return self.root / self.key
 
+    def torch_caches(self) -> _TorchCacheRouting:
+        """A context manager: inside, torch's compiler caches are in this entry, except those whose
+        variable the user set (``TORCHINDUCTOR_CACHE_DIR``: all of them; ``TRITON_CACHE_DIR``:
+        Triton's). The first use marks the folder as sdopt's before torch writes into it; where it
+        cannot be written, torch's caches stay where they are, with a warning."""
+        if self._routing is None:
+            self._users_dirs = users_cache_dirs()
+            variables = {}
+            if INDUCTOR_CACHE_VAR not in self._users_dirs:
+                variables[INDUCTOR_CACHE_VAR] = str(self.folder)
+                if TRITON_CACHE_VAR not in self._users_dirs:
+                    variables[TRITON_CACHE_VAR] = str(self.folder / "triton")
+            try:
+                self._write_meta(self.meta())
+            except OSError as error:
+                warnings.warn(f"sdopt: cannot write the compile cache {self.folder} ({error}); torch's caches stay where they are")
+                variables = {}
+            self._routing = _TorchCacheRouting(variables)
+            self._earlier_graphs = _holds_graphs(variables.get(INDUCTOR_CACHE_VAR) or os.environ.get(INDUCTOR_CACHE_VAR) or _torch_default_cache_dir())
+        return self._routing
+
+    def wrap(self, compiled: CompiledForward) -> Callable:
+        """``compiled`` with every call, recompiles included, inside ``torch_caches()``; each call
+        that compiles is noted under its ``signature_text``: seconds, and graphs found in the cache."""
+        from torch._dynamo.utils import counters
+
+        routing = self.torch_caches()
+        stats = compiled.stats
+
+        def call(*inputs):
+            compilations, seconds = stats.compilations, stats.compile_seconds
+            lookups = _graph_cache_lookups(counters)
+            with routing:
+                output = compiled(*inputs)
+            if stats.compilations > compilations:
+                self._note_compile(signature_text(inputs), stats.compile_seconds - seconds, lookups, _graph_cache_lookups(counters))
+            return output
+
+        return call
+
+    def _note_compile(self, signature: str, seconds: float, before: tuple[int, int], after: tuple[int, int]) -> None:
+        hits, misses = (max(0, a - b) for a, b in zip(after, before))  # torch's tests may clear the counters
+        noted = self.compiles.setdefault(signature, {"seconds": 0.0, "graphs_cached": 0, "graphs_compiled": 0})
+        noted["seconds"] += seconds
+        noted["graphs_cached"] += hits
+        noted["graphs_compiled"] += misses
+
     def load(self) -> bool:
-        """Hand the stored artifacts to torch; True when there were some (a warm compile follows)."""
+        """Hand the stored portable artifacts to torch, which writes them into its caches (here,
+        inside ``torch_caches()``); True when there were some."""
         path = self.folder / ARTIFACTS
         if not path.is_file():
             return False
-        try:
-            loaded = torch.compiler.load_cache_artifacts(path.read_bytes())
-        except Exception as error:  # a stale or truncated artifact must never stop a run: compile cold
-            loaded, reason = None, str(error)
-        else:
-            reason = "torch could not read it"
+        with self.torch_caches():
+            try:
+                loaded = torch.compiler.load_cache_artifacts(path.read_bytes())
+            except Exception as error:  # a stale or truncated artifact must never stop a run: compile cold
+                loaded, reason = None, str(error)
+            else:
+                reason = "torch could not read it"
         if loaded is None:
             warnings.warn(f"sdopt: ignoring unreadable compile cache {path}: {reason}")
             return False
+        self._earlier_graphs = True
         return True
 
     def save(self, compile_seconds: float) -> Path | None:
+        """Store torch's portable artifacts and the meta; ``compile_seconds`` is the compiled
+        forward's compile time so far in this process. A signature compiled cold (nothing from the
+        cache, or the cache held no graphs of earlier runs) records its cold time; a warm one keeps
+        the cold time measured before. The folder, or None when torch had no artifacts to save."""
         saved = torch.compiler.save_cache_artifacts()
-        if not saved:
-            return None
-        payload = saved[0]
+        if saved:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            partial = self.folder / (ARTIFACTS + ".partial")
+            partial.write_bytes(saved[0])
+            os.replace(partial, self.folder / ARTIFACTS)
+        meta = self.meta()
+        meta["compile_seconds_last_process"] = round(compile_seconds, 2)
+        for signature, noted in self.compiles.items():
+            kept = meta["compiles"].setdefault(signature, {})
+            kept.update(last_seconds=round(noted["seconds"], 2), graphs_cached=noted["graphs_cached"], graphs_compiled=noted["graphs_compiled"])
+            if noted["graphs_compiled"] and (not noted["graphs_cached"] or not self._earlier_graphs):
+                kept["cold_seconds"] = kept["last_seconds"]
+        self._write_meta(meta)
+        return self.folder if saved else None
+
+    def meta(self) -> dict:
+        """The entry's meta.json, or a new one with this entry's mark, names and the time."""
+        meta = _entry_meta(self.folder) or {
+            "written_by": WRITTEN_BY, "key": self.key, "model": self.model, "torch": torch.__version__,
+            "settings": self.settings, "created": _timestamp(), "compiles": {},
+        }
+        meta["last_used"] = _timestamp()
+        return meta
+
+    def _write_meta(self, meta: dict) -> None:
+        """Written whole or not at all: a half-written meta.json would leave the folder unmarked."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        partial = self.folder / (ARTIFACTS + ".partial")
-        partial.write_bytes(payload)
-        os.replace(partial, self.folder / ARTIFACTS)
-        meta = {"model": self.model, "torch": torch.__version__, "settings": self.settings, "bytes": len(payload), "cold_compile_seconds": round(compile_seconds, 2), "saved": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        previous = self._meta()
-        if previous.get("cold_compile_seconds"):
-            meta["cold_compile_seconds"] = previous["cold_compile_seconds"]
-        (self.folder / META).write_text(json.dumps(meta, indent=2))
-        return self.folder
+        partial = self.folder / (META + ".partial")
+        partial.write_text(json.dumps(meta, indent=2))
+        os.replace(partial, self.folder / META)
 
-    def _meta(self) -> dict:
-        path = self.folder / META
-        return json.loads(path.read_text()) if path.is_file() else {}
+    def note(self) -> str:
+        """What this process's compiles found in the cache, per input signature, with the cold
+        compile time of the same signature where one was measured; and where torch's caches are
+        when the user's variables put them elsewhere."""
+        kept = (_entry_meta(self.folder) or {}).get("compiles", {})
+        here = self._routing is not None and INDUCTOR_CACHE_VAR in self._routing.variables
+        where = "sdopt's compile cache" if here else "inductor's cache"
+        parts = []
+        for signature, noted in self.compiles.items():
+            cached, compiled, took = noted["graphs_cached"], noted["graphs_compiled"], f"{noted['seconds']:.1f} s"
+            cold = kept.get(signature, {}).get("cold_seconds")
+            was = f"; its cold compile took {cold:.1f} s" if cold else "; no cold compile of these inputs on record"
+            if not cached and not compiled:
+                parts.append(f"compiled inputs {signature} in {took} (no graph went through inductor's cache)")
+            elif not self._earlier_graphs:
+                parts.append(f"cold compile of inputs {signature}: {took}, {where} held no graphs before this run")
+            elif not cached:
+                parts.append(f"cold compile of inputs {signature}: {took}, none of its {compiled} graph(s) in {where}")
+            elif not compiled:
+                parts.append(f"warm compile of inputs {signature}: {took}, all {cached} graph(s) from {where}{was}")
+            else:
+                parts.append(f"partly warm compile of inputs {signature}: {took}, {cached} of {cached + compiled} graph(s) from {where}{was}")
+        if INDUCTOR_CACHE_VAR in self._users_dirs:
+            parts.append(f"torch's caches are in your {INDUCTOR_CACHE_VAR}={self._users_dirs[INDUCTOR_CACHE_VAR]}, "
+                         "which `python -m sdopt cache purge` leaves alone")
+        elif TRITON_CACHE_VAR in self._users_dirs:
+            parts.append(f"Triton's cache is in your {TRITON_CACHE_VAR}={self._users_dirs[TRITON_CACHE_VAR]}, "
+                         "which `python -m sdopt cache purge` leaves alone")
+        return "; ".join(parts)
 
-    def cold_compile_seconds(self) -> float | None:
-        return self._meta().get("cold_compile_seconds")
+
+def _entry_meta(folder: Path) -> dict | None:
+    """The meta.json of a folder sdopt's cache wrote, or None for anything else (a link, a file,
+    a folder without sdopt's mark or whose mark names another key)."""
+    try:
+        if folder.is_symlink() or not folder.is_dir():
+            return None
+        meta = json.loads((folder / META).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("written_by") != WRITTEN_BY or meta.get("key") != folder.name:
+        return None
+    meta.setdefault("compiles", {})
+    return meta
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for parent, _dirs, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):  # a file torch removes while this counts
+                total += os.lstat(os.path.join(parent, name)).st_size
+    return total
+
+
+def _items(root: Path) -> list[Path]:
+    try:
+        return sorted(root.iterdir())
+    except OSError:  # no such folder, or not a folder
+        return []
 
 
 def cache_entries(root: Path | None = None) -> list[dict]:
-    root = Path(root or default_cache_dir())
+    """The entries sdopt wrote under ``root``: their meta.json fields and ``bytes`` on disk,
+    torch's cache files included."""
     entries = []
-    for folder in sorted(root.glob("*")) if root.is_dir() else []:
-        meta_path = folder / META
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-        entries.append({"key": folder.name, "bytes": size, **{k: v for k, v in meta.items() if k != "bytes"}})
+    for item in _items(Path(root or default_cache_dir())):
+        meta = _entry_meta(item)
+        if meta is not None:
+            entries.append({**meta, "bytes": _folder_bytes(item)})
     return entries
 
 
+def foreign_items(root: Path | None = None) -> list[str]:
+    """The names under ``root`` that are not sdopt cache entries: never listed, never purged."""
+    return [item.name for item in _items(Path(root or default_cache_dir())) if _entry_meta(item) is None]
+
+
 def purge_cache(root: Path | None = None, key: str | None = None) -> list[str]:
-    """Delete every entry (or the one named ``key``); returns the keys deleted."""
+    """Delete every sdopt entry under ``root`` (or the one named ``key``), and nothing else;
+    returns the keys deleted."""
     root = Path(root or default_cache_dir())
     doomed = [entry["key"] for entry in cache_entries(root) if key is None or entry["key"] == key]
     for name in doomed:
         shutil.rmtree(root / name)
     return doomed
-

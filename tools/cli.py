@@ -126,23 +126,38 @@ def _sizes(text: str) -> list[int]:
 
 
 def _cache(args: argparse.Namespace) -> None:
-    from ..optim.compile import cache_entries, default_cache_dir, purge_cache
+    from ..optim.compile import cache_entries, default_cache_dir, foreign_items, purge_cache
     from ..measure.report import markdown_table
 
     root = args.dir or default_cache_dir()
+    foreign = foreign_items(root)
     if args.action == "purge":
-        removed = purge_cache(root, args.key)
+        if args.key in foreign:
+            raise UserError(f"cache purge: {root / args.key} is not an sdopt cache entry (no meta.json of sdopt's in it); left alone")
+        try:
+            removed = purge_cache(root, args.key)
+        except OSError as error:
+            raise UserError(f"cache purge: could not delete {error.filename or root}: {error.strerror or error}; check its permissions") from None
         if args.key and not removed:
             raise UserError(f"cache purge: no entry {args.key!r} in {root}; `python -m sdopt cache list` shows the keys")
         print(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} from {root}")
-        return
-    entries = cache_entries(root)
-    if not entries:
-        print(f"no compiled artifacts in {root}")
-        return
-    rows = [[e["key"], f"{e['bytes'] / 2**20:,.1f}", e.get("cold_compile_seconds", "?"), e.get("saved", "?")] for e in entries]
-    print(f"{root}:")
-    print("\n".join(markdown_table(["key (architecture-torch-settings)", "MiB", "cold compile s", "saved"], rows, right={1, 2})))
+    else:
+        entries = cache_entries(root)
+        if entries:
+            rows = [[e["key"], e.get("settings", "?"), f"{e['bytes'] / 2**20:,.1f}", _cold_compiles(e["compiles"]), e.get("created", "?"), e.get("last_used", "?")]
+                    for e in entries]
+            print(f"{root}:")
+            print("\n".join(markdown_table(["key (architecture-torch-settings)", "settings", "MiB", "cold compile per input signature", "created", "last used"], rows, right={2})))
+        else:
+            print(f"no sdopt compile cache entries in {root}")
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        print(f"left alone {len(foreign)} item(s) in {root} that sdopt did not write: {shown}")
+
+
+def _cold_compiles(compiles: dict) -> str:
+    cold = [f"{signature}: {kept['cold_seconds']:.1f} s" for signature, kept in compiles.items() if kept.get("cold_seconds") is not None]
+    return "; ".join(cold) or "-"
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -270,11 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-size", type=int, default=2048, help="--check: leave out larger cases (the untiled 2048 decode needs 16 GiB)")
     plan.set_defaults(handler=_plan)
 
-    cache = commands.add_parser("cache", help="list or purge the compiled-code cache of sdopt Compile")
-    cache.add_argument("action", choices=("list", "purge"))
-    cache.add_argument("key", nargs="?", help="purge only this entry (a key from `cache list`)")
-    cache.add_argument("--dir", type=Path, help="default: $SDOPT_CACHE_DIR or ~/.cache/sdopt/compile")
-    cache.set_defaults(handler=_cache)
+    cache = commands.add_parser("cache", help="list or purge the compiled-code cache of sdopt Compile (its entries only)")
+    cache_actions = cache.add_subparsers(dest="action", required=True)
+    cache_dir = argparse.ArgumentParser(add_help=False)
+    cache_dir.add_argument("--dir", type=Path, help="default: $SDOPT_CACHE_DIR or ~/.cache/sdopt/compile")
+    cache_actions.add_parser("list", parents=[cache_dir], help="the entries: key, settings, size, cold compile times, dates")
+    purge = cache_actions.add_parser("purge", parents=[cache_dir], help="delete the entries sdopt wrote (nothing else in the folder)")
+    purge.add_argument("key", nargs="?", help="purge only this entry (a key from `cache list`)")
+    cache.set_defaults(handler=_cache, key=None)
     return parser
 
 

@@ -1093,3 +1093,69 @@ def test_the_compile_record_says_when_inductor_converts_nchw_conv_weights_every_
     unet = TinyUNet()
     assert f"{4 * 4 * 9 * 4 / 2**20:,.0f} MiB of conv weights are stored NCHW" in record_after_sampling(unet)
     assert "NCHW" not in record_after_sampling(converted_copy(unet, torch.float32, channels_last=True))
+
+
+def _profiled_steps(fast_path, unet, steps):
+    """The steps of a profiled run whose every step is one fast-path call."""
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        run.start()
+        for seed in range(steps):
+            fast_path(Executor(unet), *_step(seed), None, None, {})
+            run.step()
+        run.finish()
+    return run.result()
+
+
+@torch.inference_mode()
+def test_the_step_whose_call_compiles_is_warm_up_and_out_of_the_steady_rate(patcher_extension):
+    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
+    result = _profiled_steps(fast_path, TinyUNet(), 4)
+    (stats,), _ = fast_path.stats()
+    assert stats.compilations == 1
+    assert [s["warmup"] for s in result.steps] == [{}, {"compile": stats.compile_seconds}, {}, {}], (
+        "the first call of a shape runs eagerly: the compile lands in step 1"
+    )
+    assert result.steady_steps == [2, 3]
+    assert result.steady_it_per_s == pytest.approx(2 / sum(s["seconds"] for s in result.steps[2:]))
+
+
+class RecomputingCapture:
+    """A capture backend for a CPU: warm-up runs as the CUDA one does, then a 'graph' that recomputes."""
+
+    def capture(self, fn, static_inputs, warmup_runs):
+        from sdopt.optim.cuda_graph import Captured
+
+        for _ in range(warmup_runs):
+            fn(*static_inputs)
+        output = fn(*static_inputs)
+        return Captured(static_inputs, output, lambda: output.copy_(fn(*static_inputs)))
+
+
+@torch.inference_mode()
+def test_the_step_whose_call_captures_is_warm_up_with_the_compile_inside_counted_once(patcher_extension, monkeypatch):
+    from sdopt.nodes import cuda_graph as graph_node
+    from sdopt.optim import cuda_graph
+
+    monkeypatch.setattr(graph_node, "graphs_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(cuda_graph, "graphs_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(cuda_graph, "CUDACaptureBackend", RecomputingCapture)
+    model = graph_node.SDOptCUDAGraph().patch(_compile_node(FastPatcher()), 4, "fallback")[0]
+    fast_path = glue.fast_path_of(model)
+    result = _profiled_steps(fast_path, TinyUNet(), 3)
+    (compile_stats,), (graph_stats,) = fast_path.stats()
+    assert (compile_stats.compilations, graph_stats.captures, graph_stats.replays) == (1, 1, 3)
+    first, *rest = [s["warmup"] for s in result.steps]
+    assert set(first) == {"compile", "capture"} and rest == [{}, {}], "the capture's warm-up runs compile, in step 0"
+    assert first["compile"] == compile_stats.compile_seconds
+    assert first["compile"] + first["capture"] == pytest.approx(graph_stats.capture_seconds)
+    assert result.steady_steps == [1, 2]
+
+
+@torch.inference_mode()
+def test_a_fast_path_call_outside_a_profiled_run_marks_nothing(patcher_extension):
+    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
+    unet = TinyUNet()
+    for seed in range(2):
+        fast_path(Executor(unet), *_step(seed), None, None, {})
+    assert active_run() is None and fast_path.stats()[0][0].compilations == 1

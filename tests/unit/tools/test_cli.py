@@ -1,4 +1,5 @@
 """CLI error paths: one line on stderr, exit status 2, no traceback, before ComfyUI is ever imported."""
+import json
 import sys
 from pathlib import Path
 
@@ -42,20 +43,54 @@ def test_unknown_subcommand_is_argparse_usage(capsys):
     assert exit_info.value.code == 2
 
 
+def _cache_entry(root, key, cold_seconds):
+    """An entry as sdopt writes it: meta.json carries its mark and its own key."""
+    (root / key).mkdir()
+    (root / key / "artifacts.bin").write_bytes(b"x" * 2048)
+    (root / key / "meta.json").write_text(json.dumps({
+        "written_by": "sdopt compile cache", "key": key, "settings": key.split("-", 2)[2], "created": "2026-11-23T08:00:00",
+        "last_used": "2026-11-23T09:00:00", "compiles": {"2x4x64x64, 2, 2x77x768, none (float16)": {"cold_seconds": cold_seconds}},
+    }))
+
+
 def test_cache_list_and_purge(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SDOPT_CACHE_DIR", str(tmp_path))
     assert main(["cache", "list"]) == 0
-    assert f"no compiled artifacts in {tmp_path}" in capsys.readouterr().out
-    for key in ("aaaa-torch2-compile", "bbbb-torch2-trace"):
-        (tmp_path / key).mkdir()
-        (tmp_path / key / "artifacts.bin").write_bytes(b"x" * 2048)
-        (tmp_path / key / "meta.json").write_text('{"cold_compile_seconds": 61.5, "saved": "2026-11-23T08:00:00"}')
+    assert f"no sdopt compile cache entries in {tmp_path}" in capsys.readouterr().out
+    _cache_entry(tmp_path, "aaaa-torch2-compile", 61.5)
+    _cache_entry(tmp_path, "bbbb-torch2-trace", 3.25)
     assert main(["cache", "list"]) == 0
     listing = capsys.readouterr().out
-    assert "aaaa-torch2-compile" in listing and "61.5" in listing and "bbbb-torch2-trace" in listing
+    assert "| aaaa-torch2-compile | compile | 0.0 | 2x4x64x64, 2, 2x77x768, none (float16): 61.5 s | 2026-11-23T08:00:00 | 2026-11-23T09:00:00 |" in listing
+    assert "bbbb-torch2-trace" in listing and "left alone" not in listing
     err = _one_line_error(capsys, ["cache", "purge", "cccc"])
     assert "no entry 'cccc'" in err and "cache list" in err
     assert main(["cache", "purge", "aaaa-torch2-compile"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bbbb-torch2-trace"]
     assert main(["cache", "purge"]) == 0
     assert "removed 1 entry" in capsys.readouterr().out and not any(tmp_path.iterdir())
+
+
+def test_cache_commands_leave_what_sdopt_did_not_write(capsys, tmp_path):
+    """A cache folder pointed at a shared one (SDOPT_CACHE_DIR=~/.cache): only sdopt's entries go."""
+    _cache_entry(tmp_path, "aaaa-torch2-compile", 61.5)
+    (tmp_path / "huggingface").mkdir()
+    (tmp_path / "huggingface" / "model.bin").write_bytes(b"weights")
+    (tmp_path / "notes.txt").write_text("keep me")
+    assert main(["cache", "list", "--dir", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "aaaa-torch2-compile" in listing and "| huggingface" not in listing and "| notes.txt" not in listing
+    assert f"left alone 2 item(s) in {tmp_path} that sdopt did not write: huggingface, notes.txt" in listing
+    err = _one_line_error(capsys, ["cache", "purge", "huggingface", "--dir", str(tmp_path)])
+    assert "not an sdopt cache entry" in err and "left alone" in err
+    assert main(["cache", "purge", "--dir", str(tmp_path)]) == 0
+    assert "removed 1 entry" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["huggingface", "notes.txt"]
+    assert (tmp_path / "huggingface" / "model.bin").read_bytes() == b"weights"
+
+
+@pytest.mark.parametrize("argv", [["cache", "list", "extra"], ["cache", "purge", "a", "b"], ["cache"]])
+def test_cache_rejects_extra_or_missing_arguments(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "usage:" in capsys.readouterr().err
