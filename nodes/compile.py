@@ -38,12 +38,7 @@ class SDOptCompile:
     def patch(self, model, mode, backend, compile_mode, dynamic, fullgraph, on_unavailable):
         config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
-        reason = unavailable_reason(config, model.load_device)
-        if backend == "cudagraphs":
-            fix = "pick backend inductor, aot_eager or eager, or mode trace"
-        else:
-            needed = "triton" if model.load_device.type == "cuda" else "g++ or clang++"
-            fix = f"install {needed}, or pick backend aot_eager or eager, or mode trace"
+        reason, fix = unavailable_reason(config, model.load_device) or (None, "")
         fix += " (or set on_unavailable to fallback to run eager)"
         m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "backend", fix, compile_config=config)
         if path_note is not None:

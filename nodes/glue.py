@@ -462,7 +462,7 @@ class FastPath:
             output = fn(x, timesteps, context, y)
         compilations, compile_s, captures, capture_s = (now - then for now, then in zip(_warmup_counters(compiled, graphed), before))
         if cache is not None and compilations:
-            self.cache_saved = cache.save(compiled.stats.compile_seconds)
+            self.cache_saved = cache.save()
         run = active_run()
         if run is not None and compilations:
             run.warm_up("compile", compile_s)

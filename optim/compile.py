@@ -83,17 +83,19 @@ class CompileConfig:
         return f"{self.mode}-{self.backend}-{self.compile_mode}{'-dynamic' if self.dynamic else ''}{'-fullgraph' if self.fullgraph else ''}"
 
 
-def unavailable_reason(config: CompileConfig, device: torch.device) -> str | None:
-    """Why ``config`` cannot run on ``device`` here, or None when it can."""
+def unavailable_reason(config: CompileConfig, device: torch.device) -> tuple[str, str] | None:
+    """(why ``config`` cannot run on ``device`` here, the fix that fits), or None when it can."""
     if config.mode == "trace":
         return None
+    other_backend = "pick backend aot_eager or eager, or mode trace"
     if config.backend == "inductor":
         if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-            return "inductor on CUDA needs Triton (pip install triton)"
+            return "inductor on CUDA needs Triton (pip install triton)", f"install triton, or {other_backend}"
         if device.type == "cpu" and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
-            return "inductor on a CPU needs a C++ compiler (g++ or clang++)"
+            return "inductor on a CPU needs a C++ compiler (g++ or clang++)", f"install g++ or clang++, or {other_backend}"
     if config.backend == "cudagraphs" and device.type != "cuda":
-        return f"the cudagraphs backend needs a CUDA device; this model runs on {device.type}"
+        return (f"the cudagraphs backend needs a CUDA device; this model runs on {device.type}",
+                "pick backend inductor, aot_eager or eager, or mode trace")
     return None
 
 
@@ -595,9 +597,8 @@ class ArtifactCache:
         self._earlier_graphs = True
         return True
 
-    def save(self, compile_seconds: float) -> Path | None:
-        """Store torch's portable artifacts and the meta; ``compile_seconds`` is the compiled
-        forward's compile time so far in this process. A signature compiled cold (nothing from the
+    def save(self) -> Path | None:
+        """Store torch's portable artifacts and the meta. A signature compiled cold (nothing from the
         cache, or the cache held no graphs of earlier runs) records its cold time; a warm one keeps
         the cold time measured before. The folder, or None when torch had no artifacts to save."""
         saved = torch.compiler.save_cache_artifacts()
@@ -607,7 +608,6 @@ class ArtifactCache:
             partial.write_bytes(saved[0])
             os.replace(partial, self.folder / ARTIFACTS)
         meta = self.meta()
-        meta["compile_seconds_last_process"] = round(compile_seconds, 2)
         for signature, noted in self.compiles.items():
             kept = meta["compiles"].setdefault(signature, {})
             kept.update(last_seconds=round(noted["seconds"], 2), graphs_cached=noted["graphs_cached"], graphs_compiled=noted["graphs_compiled"])
