@@ -1,0 +1,163 @@
+"""What one model family is, as data: the checkpoint's parts and their configs, how ComfyUI calls
+the diffusion model, the latent format, the VAE layout, the text encoders and the repeated blocks.
+
+Techniques, nodes and tools ask a ``Family`` for these instead of assuming SD1.5; none branches on
+a family's name. One module per family (``families/sd15.py``, ``families/sdxl.py``) builds its
+``Family``; ``families/__init__.py`` registers it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Where each part sits in an original single-file checkpoint.
+UNET_PREFIX = "model.diffusion_model."
+VAE_PREFIX = "first_stage_model."
+
+
+@dataclass(frozen=True)
+class UNetConfig:
+    """LDM ``UNetModel`` hyper-parameters (ComfyUI's ``openaimodel.py``).
+
+    ``transformer_depth`` gives, per level of ``channel_mult``, the transformer blocks in each
+    SpatialTransformer of the input side (0: that level has no attention); ``transformer_depth_output``
+    the same for the output side (None: as the input side) and ``transformer_depth_middle`` for the
+    middle block. Heads come from ``num_heads`` or, when set, ``num_head_channels`` (SDXL: 64).
+    ``adm_in_channels`` is the width of the ``y`` vector input (None: the model takes no ``y``).
+    """
+
+    in_channels: int = 4
+    out_channels: int = 4
+    model_channels: int = 320
+    channel_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    transformer_depth: tuple[int, ...] = (1, 1, 1, 0)
+    transformer_depth_middle: int = 1
+    transformer_depth_output: tuple[int, ...] | None = None
+    num_heads: int = 8
+    num_head_channels: int | None = None
+    context_dim: int = 768
+    use_linear_in_transformer: bool = False
+    adm_in_channels: int | None = None
+
+    @property
+    def time_embed_dim(self) -> int:
+        return 4 * self.model_channels
+
+    @property
+    def output_depth(self) -> tuple[int, ...]:
+        return self.transformer_depth if self.transformer_depth_output is None else self.transformer_depth_output
+
+    def heads(self, channels: int) -> int:
+        return channels // self.num_head_channels if self.num_head_channels else self.num_heads
+
+
+@dataclass(frozen=True)
+class TextEncoderConfig:
+    """One text encoder of a checkpoint: its key prefix, its state-dict format and its size.
+
+    ``kind`` is ``hf_clip`` (transformers' ``CLIPTextModel`` keys, ``text_model.*``) or ``open_clip``
+    (OpenCLIP's ``transformer.resblocks.*`` keys with a ``text_projection``, SDXL's CLIP-G).
+    ``projection_dim`` is the pooled output's width where the encoder has a text projection.
+    """
+
+    prefix: str
+    kind: str = "hf_clip"
+    vocab_size: int = 49408
+    max_position_embeddings: int = 77
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    hidden_act: str = "quick_gelu"
+    projection_dim: int | None = None
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """LDM ``AutoencoderKL`` ddconfig.
+
+    ``fp16_overflow``: the decoder's activations before its GroupNorms exceed fp16's range, as the
+    real SDXL VAE's do (the fp16 black image); in fp32 and bf16 the norms bring them back, so the
+    image is unchanged.
+    """
+
+    in_channels: int = 3
+    out_channels: int = 3
+    ch: int = 128
+    ch_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2
+    z_channels: int = 4
+    fp16_overflow: bool = False
+
+    @property
+    def downscale(self) -> int:
+        return 2 ** (len(self.ch_mult) - 1)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The parts of one generated single-file checkpoint. ``image_size``: default image side in pixels."""
+
+    unet: UNetConfig
+    text_encoders: tuple[TextEncoderConfig, ...]
+    vae: VAEConfig
+    image_size: int = 512
+
+
+@dataclass(frozen=True)
+class LatentFormat:
+    """The latent the VAE encodes to: ``latent = (vae_latent - shift) * scale``."""
+
+    channels: int = 4
+    scale: float = 0.18215
+    shift: float = 0.0
+
+
+@dataclass(frozen=True)
+class DiffusionCall:
+    """How ComfyUI calls the diffusion model: the tensor inputs of its forward, in positional order,
+    before ``control`` and ``transformer_options``. ``vector`` names the pooled-text/size vector
+    input where there is one (SDXL's ``y``: pooled CLIP-G text 1280 + 6 size and crop embeddings of
+    256 = 2816), and ``vector_parts`` spells out its width."""
+
+    tensor_inputs: tuple[str, ...] = ("x", "timesteps", "context", "y")
+    vector: str | None = None
+    vector_parts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def vector_width(self) -> int:
+        return sum(width for _, width in self.vector_parts)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    ``name`` is the short name used in model names (``sdxl-mini``); ``bare_sizes`` families (SD1.5)
+    also answer to the bare size (``mini``). ``comfy_configs`` are the names of ComfyUI's
+    ``supported_models`` classes that belong to it (subclasses included). ``vae_layout`` names the
+    VAE architecture for the tiled VAE's adapters. ``repeated_blocks`` are the class names of the
+    blocks that repeat in the diffusion model (regional compile's unit); ``feedforward_modules``
+    those of its token-wise feed-forwards (Low Memory slices them over tokens).
+    """
+
+    name: str
+    title: str
+    comfy_configs: tuple[str, ...]
+    sizes: dict[str, CheckpointConfig]
+    latent: LatentFormat
+    call: DiffusionCall
+    vae_layout: str = "ldm_autoencoder_kl"
+    repeated_blocks: tuple[str, ...] = ("ResBlock", "SpatialTransformer")
+    feedforward_modules: tuple[str, ...] = ("FeedForward",)
+    bare_sizes: bool = False
+
+    def model_name(self, size: str) -> str:
+        return size if self.bare_sizes else f"{self.name}-{size}"
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(self.model_name(size) for size in self.sizes)
+
+    def checkpoint_filename(self, size: str) -> str:
+        return f"sdopt-{size}-{self.name}.safetensors"
