@@ -1,0 +1,34 @@
+"""Install metadata that ComfyUI-Manager and the Comfy Registry read from ``[tool.comfy]``."""
+import re
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+from packaging.specifiers import SpecifierSet
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_requires_comfyui_keeps_the_floor_and_admits_todays_comfyui(pyproject):
+    admitted = SpecifierSet(pyproject["tool"]["comfy"]["requires-comfyui"])
+    for version in ("0.3.64", "0.3.75", "0.33.0", "0.38.1", "1.0.0"):
+        assert version in admitted, version
+    assert "0.3.63" not in admitted
+
+
+def test_icon_is_a_file_of_this_repository_within_the_registrys_limits(pyproject):
+    url = pyproject["tool"]["comfy"]["Icon"]
+    repository = urlparse(pyproject["project"]["urls"]["Repository"]).path.strip("/")
+    match = re.fullmatch(rf"https://raw\.githubusercontent\.com/{re.escape(repository)}/main/(.+)", url)
+    assert match, f"Icon must be a raw URL into {repository}: {url}"
+    icon = REPO / match.group(1)
+    assert icon.suffix in (".svg", ".png", ".jpg", ".gif") and icon.is_file(), icon
+    width, height = (int(re.search(rf'{side}="(\d+)"', icon.read_text()).group(1)) for side in ("width", "height"))
+    assert width <= 800 and height <= 400
