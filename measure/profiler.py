@@ -165,6 +165,7 @@ class RunResult:
     optimizations: list[dict] = field(default_factory=list)
     peak_outside_allocator_bytes: int | None = None
     steady_steps: list[int] = field(default_factory=list)
+    model_family: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -191,10 +192,13 @@ class SamplingRun:
     included), then ``start()``, ``step()`` after each sampler step, and ``finish()``.
     The sampler total runs from ``start()`` to ``finish()``; step ``i`` runs from the
     previous mark to the ``i``-th ``step()``, so the total is never below the step sum.
+    ``model_family`` names the family of the sampled model, where the host knows it.
     """
 
-    def __init__(self, label: str, device: torch.device | str, optimizations=(), outside_allocator: Callable[[], int] | None = None):
+    def __init__(self, label: str, device: torch.device | str, optimizations=(), outside_allocator: Callable[[], int] | None = None,
+                 model_family: str | None = None):
         self.label = label
+        self.model_family = model_family
         self.device = torch.device(device)
         self.memory = PeakMemory(self.device, outside_allocator)
         self.optimizations: list[dict] = [dict(o) for o in optimizations]
@@ -255,6 +259,7 @@ class SamplingRun:
             optimizations=[dict(o) for o in self.optimizations],
             peak_outside_allocator_bytes=reading.outside_allocator_bytes,
             steady_steps=steady_steps(len(steps), self._warmup),
+            model_family=self.model_family,
         )
 
 

@@ -119,11 +119,12 @@ def render_markdown(report: Report) -> str:
         lines.append("No sampling run was profiled (is SDOptProfiler on the MODEL path?).")
     else:
         lines += markdown_table(
-            ["run", "steps", "first step s", "steady it/s", "warm-up steps", "sampler total s", "peak memory MiB"],
+            ["run", "steps", "first step s", "steady it/s", "warm-up steps", "sampler total s", "peak memory MiB", "model"],
             [
                 [
                     run["label"], len(run["steps"]), f"{run['first_step_s']:.3f}", _steady(run), _warmup_steps(run),
                     f"{run['sampler_total_s']:.3f}", _memory(run["peak_memory_bytes"], run["memory_kind"], run.get("peak_outside_allocator_bytes")),
+                    run.get("model_family") or "-",
                 ]
                 for run in report.runs
             ],

@@ -38,5 +38,6 @@ class SDOptCUDAGraph:
         fix = "set on_unavailable to fallback to run eager here"
         m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "on_unavailable", fix, graph_config=config)
         if path_note is not None:
-            glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", path_note or "captured on the first step of each input signature")
+            note = "; ".join(filter(None, [path_note, "captured on the first step of each input signature"]))
+            glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", note)
         return (m,)

@@ -11,6 +11,9 @@
   whose decode/encode (tiled too) run through a wrapper bound to the copy.
 - **The per-prompt context**: the executing prompt and node, its profiled runs and records, and
   per-node wall time and peak memory through ComfyUI's progress registry (≈0.3.45 and newer).
+- **The model's family**: ``model_family`` finds what ``families/`` says of a patcher's model (its
+  diffusion call, its blocks) from ComfyUI's config class; the fast path binds the diffusion
+  model's inputs from it.
 
 Every difference between ComfyUI versions is feature-detected here, never read from a version string.
 """
@@ -25,10 +28,12 @@ import types
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from ..errors import UserError
+from ..families import SD15, DiffusionCall, Family, family_of_config_class
 from ..measure.profiler import PeakMemory, active_run
 from ..measure.record import record
 
@@ -374,17 +379,75 @@ def comfyui_version() -> str | None:
     return __version__
 
 
+# --- the model's family ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """The family of a patcher's model, found from ComfyUI's config class (``config_class``).
+
+    ``family`` is None where sdopt does not know that class. ``described`` is then the LDM UNet
+    that sdopt served before it knew families (SD1.5's call and blocks): that keeps working for
+    every model ComfyUI calls the same way, and ``label`` and ``unknown_note`` say it was assumed.
+    """
+
+    family: Family | None
+    config_class: str
+
+    @property
+    def described(self) -> Family:
+        return self.family or SD15
+
+    @property
+    def call(self) -> DiffusionCall:
+        return self.described.call
+
+    @property
+    def label(self) -> str:
+        return self.family.title if self.family else f"family unknown ({self.config_class})"
+
+    @property
+    def unknown_note(self) -> str:
+        """What a record says where the family is unknown; empty where it is known."""
+        if self.family:
+            return ""
+        return f"{self.label}: its diffusion model is called as {SD15.title}'s UNet is ({', '.join(SD15.call.tensor_inputs)})"
+
+
+def model_family(model) -> ModelFamily:
+    """The family of the model ``model`` (a ModelPatcher) holds."""
+    config = _static(model.model, "model_config")
+    config_class = type(config) if config is not None else type(model.model)
+    return ModelFamily(family_of_config_class(config_class), config_class.__name__)
+
+
 # --- the fast path: compiled UNet inside, CUDA graph outside -----------------------------------------
 
 FAST_PATH_KEY = "sdopt.fast_path"
 _KEPT_OPTIONS = ("optimized_attention_override",)
 
 
-def _unet_forward(options: dict, unet, x, timesteps, context, y):
-    return unet._forward(x, timesteps, context, y, None, dict(options))
+def _diffusion_forward(options: dict, unet, *tensors):
+    """The diffusion model's forward on its tensor inputs, in its family's order, with no control."""
+    return unet._forward(*tensors, None, dict(options))
 
 
-def _why_eager(executor, control, transformer_options: dict, kwargs: dict) -> str | None:
+def _bind(call: DiffusionCall, args: tuple, kwargs: dict) -> tuple[tuple, object, object, dict] | None:
+    """(tensor inputs in ``call``'s order, control, transformer_options, the other keyword inputs) of
+    a call of the diffusion model's forward, which takes ``call.tensor_inputs``, then ``control`` and
+    ``transformer_options``; None where it got more positional inputs than that."""
+    names = (*call.tensor_inputs, "control", "transformer_options")
+    if len(args) > len(names):
+        return None
+    bound, extra = dict(zip(names, args)), {}
+    for name, value in kwargs.items():
+        (bound if name in names else extra)[name] = value
+    return tuple(bound.get(name) for name in call.tensor_inputs), bound.get("control"), bound.get("transformer_options", {}), extra
+
+
+def _why_eager(executor, control, transformer_options, kwargs: dict) -> str | None:
+    if not isinstance(transformer_options, dict):
+        return "inputs that do not fit the family's call (no transformer_options where it expects them)"
     if control is not None:
         return "ControlNet (control) inputs"
     if transformer_options.get("patches") or transformer_options.get("patches_replace"):
@@ -399,15 +462,17 @@ def _why_eager(executor, control, transformer_options: dict, kwargs: dict) -> st
 class FastPath:
     """The DIFFUSION_MODEL wrapper of SDOptCompile and SDOptCUDAGraph: one per patched clone.
 
-    The UNet is called with tensors only, through ``compile_config`` (when set) inside a
-    ``GraphedFunction`` (when ``graph_config`` is set), so the order of the two nodes does not
-    matter. Its state (compiled code, graphs) is shared by clones made downstream (e.g. by a LoRA
-    loader); the weight identity check makes those use their own weights.
+    The diffusion model is called with its tensor inputs only (those ``family``'s call names:
+    SDXL's ``y`` too), through ``compile_config`` (when set) inside a ``GraphedFunction`` (when
+    ``graph_config`` is set), so the order of the two nodes does not matter. Its state (compiled
+    code, graphs) is shared by clones made downstream (e.g. by a LoRA loader); the weight identity
+    check makes those use their own weights.
     """
 
-    def __init__(self, compile_config, graph_config, cache_root=None):
+    def __init__(self, compile_config, graph_config, family: ModelFamily, cache_root=None):
         self.compile_config = compile_config
         self.graph_config = graph_config
+        self.family = family
         self.cache_root = cache_root
         self.runners: dict[tuple, tuple] = {}
         self.eager_reasons: dict[str, int] = {}
@@ -420,6 +485,7 @@ class FastPath:
         new = FastPath(
             self.compile_config if compile_config is ... else compile_config,
             self.graph_config if graph_config is ... else graph_config,
+            self.family,
             self.cache_root,
         )
         new.requested = dict(self.requested)
@@ -432,7 +498,7 @@ class FastPath:
         key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS))
         if key in self.runners and self.runners[key][0] is unet:
             return self.runners[key][1:]
-        call = functools.partial(_unet_forward, options)
+        call = functools.partial(_diffusion_forward, options)
         compiled = cache = None
         fn = functools.partial(call, unet)
         if self.compile_config is not None:
@@ -450,16 +516,21 @@ class FastPath:
         self.runners[key] = (unet, fn, compiled, graphed, cache)
         return fn, compiled, graphed, cache
 
-    def __call__(self, executor, x, timesteps=None, context=None, y=None, control=None, transformer_options={}, **kwargs):
-        reason = _why_eager(executor, control, transformer_options, kwargs)
+    def __call__(self, executor, *args, **kwargs):
+        bound = _bind(self.family.call, args, kwargs)
+        if bound is None:
+            reason = f"more positional inputs than {self.family.described.title}'s call takes"
+        else:
+            tensors, control, transformer_options, extra = bound
+            reason = _why_eager(executor, control, transformer_options, extra)
         if reason:
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
-            return executor(x, timesteps, context, y, control, transformer_options, **kwargs)
+            return executor(*args, **kwargs)
         options = {name: transformer_options[name] for name in _KEPT_OPTIONS if name in transformer_options}
         fn, compiled, graphed, cache = self._runner(executor.class_obj, options)
         before = _warmup_counters(compiled, graphed)
         with _malloc_graph_paused():
-            output = fn(x, timesteps, context, y)
+            output = fn(*tensors)
         compilations, compile_s, captures, capture_s = (now - then for now, then in zip(_warmup_counters(compiled, graphed), before))
         if cache is not None and compilations:
             self.cache_saved = cache.save()
@@ -531,7 +602,7 @@ def install_fast_path(model, fast_path: FastPath) -> None:
             return executor(*args, **kwargs)
         finally:
             compile_stats, graph_stats = fast_path.stats()
-            eager = "; ".join(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items())
+            eager = "; ".join(filter(None, [*(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items()), fast_path.family.unknown_note]))
             if "SDOptCompile" in requested and fast_path.compile_config:
                 warm = "; ".join(dict.fromkeys(filter(None, (cache.note() for *_, cache in fast_path.runners.values() if cache))))
                 layout = (
@@ -561,7 +632,7 @@ def fast_path_clone(model, node: str, requested: str, unavailable: str | None, o
         record_model(m, node, requested, "eager", f"{unavailable}; running eager")
         return m, None
     current = fast_path_of(m)
-    fast_path = current.with_configs(**configs) if current else FastPath(configs.get("compile_config"), configs.get("graph_config"))
+    fast_path = current.with_configs(**configs) if current else FastPath(configs.get("compile_config"), configs.get("graph_config"), model_family(m))
     fast_path.requested[node] = requested
     install_fast_path(m, fast_path)
-    return m, path_note
+    return m, "; ".join(filter(None, [path_note, fast_path.family.unknown_note]))

@@ -2,7 +2,9 @@
 
 Delegates to ``optim.lowmem``: an APPLY_MODEL wrapper runs each call under ``low_memory`` (chunked
 GroupNorm, sliced convs and feed-forwards) and, with ``sequential_cfg``, cond and uncond one after
-the other; attention goes through sdopt Attention's ``sub_quadratic`` backend sized from the same budget.
+the other (every batched input split with them: context, SDXL's ``y``, ControlNet residuals);
+attention goes through sdopt Attention's ``sub_quadratic`` backend sized from the same budget. The
+feed-forward modules to slice are the model family's (``families/``).
 """
 from ..optim.lowmem import LowMemConfig, run_low_memory
 from . import glue
@@ -32,7 +34,9 @@ class SDOptLowMemory:
         }}
 
     def patch(self, model, budget_mb, sequential_cfg, chunk_ops):
-        config = LowMemConfig(budget_mb << 20, sequential_cfg, chunk_ops, chunk_ops, chunk_ops)
+        family = glue.model_family(model)
+        config = LowMemConfig(budget_mb << 20, sequential_cfg, chunk_ops, chunk_ops, chunk_ops,
+                              feedforward_modules=family.described.feedforward_modules)
         (m,) = SDOptAttention().patch(model, "sub_quadratic", "fallback", 0, budget_mb)
 
         def low_memory_call(executor, x, *args, **kwargs):
@@ -41,5 +45,6 @@ class SDOptLowMemory:
         glue.set_wrappers(m, NODE, {"APPLY_MODEL": low_memory_call})
         parts = [f"budget {budget_mb} MiB", "sub_quadratic attention"] + (["sequential cfg"] if sequential_cfg else []) + (["chunked GroupNorm/conv/feed-forward"] if chunk_ops else [])
         requested = f"budget_mb={budget_mb}, sequential_cfg={sequential_cfg}, chunk_ops={chunk_ops}"
-        glue.record_model(m, NODE, requested, ", ".join(parts), "attention set through sdopt Attention (its record is beside this one)")
+        note = "; ".join(filter(None, ["attention set through sdopt Attention (its record is beside this one)", family.unknown_note]))
+        glue.record_model(m, NODE, requested, ", ".join(parts), note)
         return (m,)

@@ -4,7 +4,7 @@ Keyed OUTER_SAMPLE and SAMPLER_SAMPLE wrappers on a clone: the outer one scopes 
 load and sampling (plus the VRAM ComfyUI 0.38's dynamic VRAM maps past PyTorch's allocator, where
 it is on) and files the finished run under the executing prompt; the inner one times the
 sampler and marks every step through the sampler callback. Both take ComfyUI's arguments as given,
-so new ones (``latent_shapes`` in 0.33) pass through.
+so new ones (``latent_shapes`` in 0.33) pass through. Each run names the model's family.
 """
 from ..errors import UserError
 from ..measure.profiler import SamplingRun, active_run
@@ -18,7 +18,9 @@ def _outer_sample(label: str):
         guider = executor.class_obj
         prompt_id = glue.current_prompt_id()
         glue.install_node_timer(prompt_id, glue.current_node_id())
-        run = SamplingRun(label, guider.model_patcher.load_device, glue.model_records(guider.model_options), glue.dynamic_vram_probe())
+        patcher = guider.model_patcher
+        run = SamplingRun(label, patcher.load_device, glue.model_records(guider.model_options), glue.dynamic_vram_probe(),
+                          glue.model_family(patcher).label)
         with run.memory_scope():
             output = executor(*args, **kwargs)
         if run.finished:  # a guider that never calls the sampler wrapper leaves nothing to report

@@ -84,6 +84,7 @@ function renderReport(data) {
         .map((s) => `${s.index}: ` + Object.entries(s.warmup).map(([kind, sec]) => `${kind} ${fixed(sec, 1)} s`).join(", ")).join("; ") || "–"],
       ["sampler total s", (r) => fixed(r.sampler_total_s, 3), true],
       ["peak memory MiB", (r) => `${mib(r.peak_memory_bytes)} ${MEMORY[r.memory_kind] ?? r.memory_kind ?? ""}`, true],
+      ["model", (r) => r.model_family ?? "–"],
     ], runs));
   } else {
     parts.push(h("p", {}, "No sampling run was profiled (is sdopt Profiler on the sampler's MODEL input?)."));

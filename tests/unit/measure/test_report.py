@@ -18,7 +18,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def report():
     runs = []
     for label, steps in (("baseline", 3), ("fp16", 2)):
-        run = SamplingRun(label, "cpu", [{"node": "SDOptAttention", "requested": "auto", "active": "sdpa", "note": "x"}])
+        run = SamplingRun(label, "cpu", [{"node": "SDOptAttention", "requested": "auto", "active": "sdpa", "note": "x"}],
+                          model_family="SDXL" if label == "baseline" else None)
         with run.memory_scope():
             run.start()
             for _ in range(steps):
@@ -43,6 +44,7 @@ def test_json_has_the_documented_fields_and_types(report, tmp_path):
     assert isinstance(run["peak_memory_bytes"], int) and run["memory_kind"] in ("vram_allocated", "ram_rss")
     assert set(run["steps"][0]) == {"index", "seconds", "warmup"} and run["steps"][0]["warmup"] == {}
     assert run["steady_steps"] == [1, 2]
+    assert run["model_family"] == "SDXL" and data["runs"][1]["model_family"] is None
     assert set(run["optimizations"][0]) == {"node", "requested", "active", "note"}
     assert set(data["nodes"][0]) == {"id", "class_type", "seconds", "peak_memory_bytes"}
     assert set(data["optimizations"][0]) == {"node", "requested", "active", "note"}
@@ -85,6 +87,8 @@ def test_markdown_lists_notes_runs_optimizations_and_nodes(report):
     assert lines[0] == f"sdopt profile: device cpu, torch {report.torch}, ComfyUI 0.3.64"
     assert lines[2] == "a note", "notes come right after the header line"
     assert "| baseline | 3 |" in text and "| fp16 | 2 |" in text
+    runs = [line for line in lines if line.startswith(("| baseline |", "| fp16 |"))][:2]
+    assert runs[0].endswith(" | SDXL |") and runs[1].endswith(" | - |"), "each run names its model family, where known"
     assert "(RAM)" in text and "VRAM" not in text
     assert "| baseline | SDOptAttention | auto | sdpa | x |" in text
     assert "| fp16 | SDOptAttention | auto | sdpa | x |" in text
@@ -96,7 +100,7 @@ def test_markdown_tables_right_align_the_numbers(report):
     lines = report.markdown().splitlines()
     rules = [line for line in lines if line.startswith("| ---")]
     assert rules == [
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: |",  # runs: label and warm-up steps left, numbers right
+        "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |",  # runs: label, warm-up steps and model left, numbers right
         "| --- | --- | --- | --- | --- |",  # records: text
         "| --- | --- | ---: | ---: |",  # nodes: id and class left, seconds and memory right
     ]
@@ -164,7 +168,7 @@ def test_markdown_adds_dynamic_vram_beside_the_allocator_peak(report):
     report.runs[1]["peak_outside_allocator_bytes"] = 1536 * 2**20
     lines = report.markdown().splitlines()
     fp16, baseline = ([line for line in lines if line.startswith(f"| {label} ") and "(RAM)" in line] for label in ("fp16", "baseline"))
-    assert len(fp16) == 1 and fp16[0].rstrip(" |").endswith("(RAM) + 1,536.0 dynamic VRAM")
+    assert len(fp16) == 1 and fp16[0].split(" | ")[-2].endswith("(RAM) + 1,536.0 dynamic VRAM"), "the memory cell"
     assert len(baseline) == 1 and "dynamic VRAM" not in baseline[0]
 
 

@@ -61,6 +61,29 @@ def prompts(monkeypatch):
     return glue._prompts
 
 
+# ComfyUI's ``supported_models`` classes, as the type of ``model.model.model_config``: sdopt knows a
+# family by these names (a fine-tune's config subclasses its base's).
+class SD15:
+    pass
+
+
+class SDXL:
+    pass
+
+
+class SSD1B(SDXL):
+    pass
+
+
+class Flux:
+    pass
+
+
+def _base_model(config_class):
+    """A BaseModel as the family lookup sees it."""
+    return types.SimpleNamespace(model_config=config_class())
+
+
 # --- a. rebased: a patcher of another module with the same recipe ------------------------------------
 
 
@@ -873,9 +896,9 @@ def test_sampler_sample_outside_a_run_passes_everything_unchanged():
 class OuterExecutor:
     """ComfyUI's OUTER_SAMPLE executor: ``class_obj`` is the guider; sampling runs the inner wrapper."""
 
-    def __init__(self, records):
-        self.class_obj = types.SimpleNamespace(model_patcher=types.SimpleNamespace(load_device="cpu"),
-                                               model_options={glue.RECORDS_KEY: records})
+    def __init__(self, records, config_class=None):
+        patcher = types.SimpleNamespace(load_device="cpu", model=_base_model(config_class or SD15))
+        self.class_obj = types.SimpleNamespace(model_patcher=patcher, model_options={glue.RECORDS_KEY: records})
         self.calls = []
 
     def __call__(self, *args, **kwargs):
@@ -897,10 +920,19 @@ def test_outer_sample_files_a_run_and_passes_new_arguments(prompts, monkeypatch)
     assert timers == [(PROMPT, "5")]
     (run,) = glue.prompt_log(PROMPT).runs
     assert run["label"] == "fp16 run" and len(run["steps"]) == 4 and run["memory_kind"] == "ram_rss"
+    assert run["model_family"] == "SD1.5"
     assert run["optimizations"] == records and run["optimizations"][0] is not records[0]
     assert active_run() is None
     outer(executor, "noise", "latent", "sampler", "sigmas")
     assert len(glue.prompt_log(PROMPT).runs) == 2, "every sampling run is filed"
+
+
+@pytest.mark.parametrize("config_class,family", [(SSD1B, "SDXL"), (Flux, "family unknown (Flux)")])
+def test_each_run_names_the_model_family(prompts, monkeypatch, config_class, family):
+    monkeypatch.setattr(glue, "install_node_timer", lambda *a: False)
+    monkeypatch.setattr(glue, "current_node_id", lambda: "5")
+    profiler_node._outer_sample("run")(OuterExecutor([], config_class), "noise")
+    assert glue.prompt_log(PROMPT).runs[-1]["model_family"] == family
 
 
 def test_outer_sample_counts_dynamic_vram_where_comfyui_0_38_maps_it(prompts, monkeypatch):
@@ -961,9 +993,14 @@ class Executor:
 class FastPatcher(WrappedPatcher):
     load_device = torch.device("cpu")
 
+    def __init__(self, config_class=SD15):
+        super().__init__()
+        self.model = _base_model(config_class)
+
     def clone(self):
         n = super().clone()
         n.__class__ = type(self)
+        n.model = self.model
         return n
 
 
@@ -1159,3 +1196,181 @@ def test_a_fast_path_call_outside_a_profiled_run_marks_nothing(patcher_extension
     for seed in range(2):
         fast_path(Executor(unet), *_step(seed), None, None, {})
     assert active_run() is None and fast_path.stats()[0][0].compilations == 1
+
+
+# --- the model's family -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config_class,label,known", [(SD15, "SD1.5", True), (SSD1B, "SDXL", True), (Flux, "family unknown (Flux)", False)])
+def test_model_family_comes_from_comfyuis_config_class(config_class, label, known):
+    family = glue.model_family(FastPatcher(config_class))
+    assert family.label == label and (family.family is not None) == known
+    assert family.config_class == config_class.__name__
+    if known:
+        assert family.unknown_note == "" and family.described is family.family
+    else:
+        assert family.described.title == "SD1.5", "an unknown family is served as the UNet sdopt served before families"
+        assert family.unknown_note.startswith("family unknown (Flux): ") and "(x, timesteps, context, y)" in family.unknown_note
+
+
+def test_model_family_of_a_model_without_a_config_names_its_class():
+    class CustomModel:
+        pass
+
+    family = glue.model_family(types.SimpleNamespace(model=CustomModel()))
+    assert family.family is None and family.label == "family unknown (CustomModel)"
+
+
+class TinyXLUNet(TinyUNet):
+    """SDXL's calling convention: a ``y`` vector (pooled text and size embeddings) beside the context."""
+
+    def __init__(self):
+        super().__init__()
+        self.label_emb = nn.Linear(6, 4)
+
+    def _forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}):
+        return super()._forward(x, timesteps, context, y, control, transformer_options) + self.label_emb(y)[:, :, None, None]
+
+
+def _vector(seed):
+    return torch.randn(2, 6, generator=torch.Generator().manual_seed(100 + seed))
+
+
+@torch.inference_mode()
+def test_fast_path_gives_sdxls_y_to_the_compiled_unet_as_an_input(patcher_extension):
+    fast_path = glue.fast_path_of(_compile_node(FastPatcher(SSD1B)))
+    assert fast_path.family.label == "SDXL"
+    unet = TinyXLUNet()
+    for seed in range(4):
+        x, t, context = _step(seed)
+        executor = Executor(unet)
+        y = _vector(seed)
+        # ComfyUI's executor passes the inputs positionally; a caller may name them
+        args, kwargs = ((x, t, context, y, None, {}), {}) if seed % 2 else ((x, t), dict(context=context, y=y, control=None, transformer_options={}))
+        out = fast_path(executor, *args, **kwargs)
+        torch.testing.assert_close(out, unet._forward(x, t, context, y), rtol=0, atol=0)
+        assert executor.calls == 0, "the traced path, not the executor, ran"
+    (stats,), _ = fast_path.stats()
+    assert stats.compilations == 1, "one trace serves every y of one shape: y is its input, not a constant"
+
+
+class GuidedUNet(TinyUNet):
+    """A family whose forward takes one more tensor input (a guidance scale) before ``control``."""
+
+    def _forward(self, x, timesteps=None, context=None, y=None, guidance=None, control=None, transformer_options={}):
+        return super()._forward(x, timesteps, context) * guidance[:, None, None, None]
+
+
+@torch.inference_mode()
+def test_fast_path_binds_the_tensor_inputs_its_family_names(patcher_extension):
+    import dataclasses
+
+    from sdopt.families import SD15 as SD15_FAMILY
+    from sdopt.families import DiffusionCall
+    from sdopt.optim.compile import CompileConfig
+
+    guided = dataclasses.replace(SD15_FAMILY, call=DiffusionCall(tensor_inputs=("x", "timesteps", "context", "y", "guidance")))
+    fast_path = glue.FastPath(CompileConfig("trace"), None, glue.ModelFamily(guided, "Guided"))
+    unet = GuidedUNet()
+    for seed in range(3):
+        x, t, context = _step(seed)
+        guidance = torch.full((2,), 1.0 + seed)
+        executor = Executor(unet)
+        out = fast_path(executor, x, t, context, None, guidance, None, {})
+        torch.testing.assert_close(out, unet._forward(x, t, context, None, guidance), rtol=0, atol=0)
+        assert executor.calls == 0 and not fast_path.eager_reasons, "guidance is an input, not ControlNet's control"
+
+
+@torch.inference_mode()
+def test_fast_path_runs_eager_on_more_positional_inputs_than_its_family_calls_with(patcher_extension):
+    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
+    unet = GuidedUNet()
+    executor = Executor(unet)
+    x, t, context = _step()
+    out = fast_path(executor, x, t, context, None, torch.ones(2), None, {})
+    assert executor.calls == 1
+    torch.testing.assert_close(out, unet._forward(x, t, context, None, torch.ones(2)), rtol=0, atol=0)
+    assert list(fast_path.eager_reasons) == ["more positional inputs than SD1.5's call takes"]
+
+
+@torch.inference_mode()
+def test_a_model_of_an_unknown_family_keeps_the_unet_call_and_the_records_say_so(patcher_extension):
+    from sdopt.nodes.cuda_graph import SDOptCUDAGraph
+
+    model = _compile_node(FastPatcher(Flux))
+    (record,) = glue.model_records(model.model_options)
+    assert "family unknown (Flux)" in record["note"]
+    fast_path = glue.fast_path_of(model)
+    unet = TinyUNet()
+    for seed in range(3):
+        x, t, context = _step(seed)
+        executor = Executor(unet)
+        torch.testing.assert_close(fast_path(executor, x, t, context, None, None, {}), unet._forward(x, t, context), rtol=0, atol=0)
+        assert executor.calls == 0
+    (report,) = _keyed(model, glue.FAST_PATH_KEY)["sampler_sample"]
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        report(lambda: None)
+    (ran,) = run.optimizations
+    assert "family unknown (Flux)" in ran["note"]
+    known = _compile_node(FastPatcher(SDXL))
+    assert "family" not in glue.model_records(known.model_options)[0]["note"]
+    (passed,) = SDOptCUDAGraph().patch(FastPatcher(Flux), 4, "fallback")
+    assert "family unknown" not in glue.model_records(passed.model_options)[0]["note"], "a node that runs nothing assumes nothing"
+
+
+# --- the low-memory node -------------------------------------------------------------------------------
+
+
+class Mlp(nn.Module):
+    """A token-wise feed-forward under a class name only a family can tell Low Memory about."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.up, self.down = nn.Linear(8, 64), nn.Linear(64, 8)
+        self.tokens_seen = []
+
+    def forward(self, x):
+        self.tokens_seen.append(x.shape[-2])
+        return self.down(torch.relu(self.up(x)))
+
+
+@torch.inference_mode()
+def test_low_memory_slices_the_feedforward_modules_its_family_names(patcher_extension, comfy_attention, monkeypatch):
+    import dataclasses
+
+    from sdopt import families
+    from sdopt.nodes.lowmem import NODE, SDOptLowMemory
+
+    comfy_attention.wrap_attn = object()
+    monkeypatch.setitem(families.FAMILIES, "sdxl", dataclasses.replace(families.SDXL, feedforward_modules=("Mlp",)))
+    x = torch.randn(1, 4096, 8)  # hidden activations of 2 MiB against a 1 MiB budget
+    tokens = {}
+    for config_class in (SDXL, SD15):
+        (m,) = SDOptLowMemory().patch(FastPatcher(config_class), 1, False, True)
+        (apply_model,) = _keyed(m, NODE)["apply_model"]
+        mlp = Mlp()
+        torch.testing.assert_close(apply_model(lambda x, *a, **k: mlp(x), x, None), Mlp()(x), rtol=1e-5, atol=1e-6)
+        tokens[config_class.__name__] = max(mlp.tokens_seen)
+    assert tokens == {"SDXL": 2048, "SD15": 4096}, "only the family that names Mlp slices it"
+
+
+@torch.inference_mode()
+def test_sequential_cfg_splits_sdxls_y_with_the_batch(patcher_extension, comfy_attention):
+    from sdopt.nodes.lowmem import NODE, SDOptLowMemory
+
+    comfy_attention.wrap_attn = object()
+    (m,) = SDOptLowMemory().patch(FastPatcher(SDXL), 256, True, True)
+    (apply_model,) = _keyed(m, NODE)["apply_model"]
+    unet, seen = TinyXLUNet(), []
+
+    def executor(x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
+        seen.append((x.shape[0], kwargs["y"].shape[0]))
+        return unet._forward(x, t, c_crossattn, kwargs["y"])
+
+    x, t, context = _step()
+    y = _vector(0)
+    out = apply_model(executor, x, t, None, context, None, {}, y=y)
+    assert seen == [(1, 1), (1, 1)], "cond and uncond one after the other, each with its own y"
+    torch.testing.assert_close(out, unet._forward(x, t, context, y), rtol=1e-5, atol=1e-6)
