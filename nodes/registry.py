@@ -2,6 +2,7 @@
 from .attention import SDOptAttention
 from .compile import SDOptCompile
 from .cuda_graph import SDOptCUDAGraph
+from .doctor import SDOptDoctor
 from .lowmem import SDOptLowMemory
 from .offload import SDOptOffload
 from .precision import SDOptPrecision
@@ -23,6 +24,7 @@ _NODES = {
     "SDOptCUDAGraph": (SDOptCUDAGraph, "sdopt CUDA Graph"),
     "SDOptLowMemory": (SDOptLowMemory, "sdopt Low Memory"),
     "SDOptOffload": (SDOptOffload, "sdopt Offload"),
+    "SDOptDoctor": (SDOptDoctor, "sdopt Doctor"),
 }
 
 NODE_CLASS_MAPPINGS = {name: cls for name, (cls, _) in _NODES.items()}

@@ -1,4 +1,4 @@
-"""Command line: ``python -m sdopt {make-model,run,serve,bench,cache} ...``.
+"""Command line: ``python -m sdopt {make-model,run,serve,bench,cache,doctor} ...``.
 
 Problems with the user's input are raised as ``UserError`` and printed as one line
 (``sdopt: error: ...``) with exit status 2, never as a traceback.
@@ -160,6 +160,31 @@ def _cold_compiles(compiles: dict) -> str:
     return "; ".join(cold) or "-"
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from .doctor import CHECKS, FAILED, default_device, doctor_table, load_comfyui, run_checks, summary
+
+    started = time.perf_counter()
+    comfyui = None if args.no_comfyui else load_comfyui(args.comfyui)
+    device = args.device or default_device(comfyui)
+    with tqdm(total=len(CHECKS), desc="doctor", unit="check", disable=not sys.stderr.isatty()) as bar:
+        def progress(name):
+            bar.set_postfix_str(name)
+            bar.update()
+
+        rows = run_checks(device, comfyui, progress)
+    print(doctor_table(rows))
+    print(f"\n{summary(rows, time.perf_counter() - started)}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([row.to_dict() for row in rows], indent=2))
+        print(f"wrote {args.json}")
+    return 1 if any(row.status == FAILED for row in rows) else 0
+
+
 def _plan(args: argparse.Namespace) -> None:
     from .plan import run_plan
 
@@ -285,6 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--max-size", type=int, default=2048, help="--check: leave out larger cases (the untiled 2048 decode needs 16 GiB)")
     plan.set_defaults(handler=_plan)
 
+    doctor = commands.add_parser("doctor", help=(
+        "try what sdopt needs here, one tiny run each (device, dtypes, attention backends, inductor, CUDA graphs, ComfyUI, "
+        "compile cache, each node's modes): the result, and the fix for what does not work; exit status 1 when a check failed"))
+    doctor.add_argument("--json", type=Path, help="also write the rows as JSON, one object per check")
+    doctor.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    doctor.add_argument("--no-comfyui", action="store_true", help="leave ComfyUI out")
+    doctor.add_argument("--device", help="default: ComfyUI's device, else cuda when present, else cpu")
+    doctor.set_defaults(handler=_doctor)
+
     cache = commands.add_parser("cache", help="list or purge the compiled-code cache of sdopt Compile (its entries only)")
     cache_actions = cache.add_subparsers(dest="action", required=True)
     cache_dir = argparse.ArgumentParser(add_help=False)
@@ -320,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        args.handler(args)
+        status = args.handler(args)
     except UserError as error:
         print(f"sdopt: error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0

@@ -1,9 +1,12 @@
-// sdopt: shows the profile that SDOptProfileReport sends (the "sdopt.report" websocket event) as HTML
-// tables on the node. Only the frontend's public API: app, api and LGraphNode.addDOMWidget.
+// sdopt: shows the profile that SDOptProfileReport sends (the "sdopt.report" websocket event), and the
+// checks that SDOptDoctor sends ("sdopt.doctor"), as HTML tables on the node. Only the frontend's public
+// API: app, api and LGraphNode.addDOMWidget.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const NODE = "SDOptProfileReport";
+const DOCTOR = "SDOptDoctor";
+const EVENTS = { "sdopt.report": NODE, "sdopt.doctor": DOCTOR };
 const WIDGET = "sdopt_report";
 const PROPERTY = "sdopt_report"; // the last report, saved with the workflow so the table survives a reload
 const MIN_WIDTH = 560;
@@ -31,6 +34,8 @@ const STYLE = `
 .sdopt-report .sdopt-num { text-align: right; font-variant-numeric: tabular-nums; }
 .sdopt-report td.sdopt-num { white-space: nowrap; }
 .sdopt-report .sdopt-fallback td { color: #e8a33d; }
+.sdopt-report .sdopt-status-warn td, .sdopt-report .sdopt-status-unavailable td { color: #e8a33d; }
+.sdopt-report .sdopt-status-failed td { color: #ff6b6b; }
 .sdopt-report a, .sdopt-report button { color: inherit; font: inherit; font-size: 12px; margin-right: 10px; }
 .sdopt-report button { padding: 0 6px; cursor: pointer; background: transparent; border: 1px solid var(--border-color, #555); border-radius: 4px; }
 `;
@@ -117,6 +122,27 @@ function renderReport(data) {
   return parts;
 }
 
+function renderDoctor(data) {
+  const checks = data?.checks;
+  if (!checks) return [h("p", { className: "sdopt-muted" }, "Queue the prompt to check this machine.")];
+  const parts = [h("p", {}, data.summary ?? "")];
+  parts.push(table("What sdopt can run here", [
+    ["check", (c) => c.check], ["status", (c) => c.status], ["result", (c) => c.result], ["fix", (c) => c.fix || "–"],
+  ], checks, { note: (c) => `tried: ${c.tried}`, rowClass: (c) => `sdopt-status-${c.status}` }));
+  const links = h("p", {});
+  if (data.json) links.append(h("a", { href: viewUrl(data.json), target: "_blank", rel: "noopener" }, "JSON"));
+  if (data.table) {
+    const copy = h("button", { type: "button", title: "Copy the table as markdown" }, "copy markdown");
+    copy.onclick = () => navigator.clipboard?.writeText(data.table).then(() => (copy.textContent = "copied"));
+    links.append(copy);
+  }
+  parts.push(links);
+  return parts;
+}
+
+const RENDER = { [NODE]: renderReport, [DOCTOR]: renderDoctor };
+const nodeClass = (node) => node.comfyClass ?? node.type;
+
 function ensureWidget(node) {
   const existing = node.widgets?.find((w) => w.name === WIDGET);
   if (existing) return existing;
@@ -160,8 +186,8 @@ function fitNode(node, extraHeight) {
 // CHART_HEIGHT below the table unless the node is already that tall.
 function show(node, data, fresh = false) {
   const widget = ensureWidget(node);
-  widget.sdoptContent.replaceChildren(...renderReport(data));
-  if (data?.report && node.size[0] < MIN_WIDTH) node.setSize([MIN_WIDTH, node.size[1]]);
+  widget.sdoptContent.replaceChildren(...RENDER[nodeClass(node)](data));
+  if ((data?.report || data?.checks) && node.size[0] < MIN_WIDTH) node.setSize([MIN_WIDTH, node.size[1]]);
   requestAnimationFrame(() => fitNode(node, fresh && data?.chart ? CHART_HEIGHT : 0));
 }
 
@@ -180,19 +206,21 @@ app.registerExtension({
   name: "sdopt.ProfileReport",
   setup() {
     document.head.append(h("style", { id: "sdopt-style" }, STYLE));
-    api.addEventListener("sdopt.report", ({ detail }) => {
-      const node = detail && findNode(detail.node);
-      if (!node || (node.comfyClass ?? node.type) !== NODE) return; // the prompt's tab is not the one shown
-      const { report, table: markdown, json, chart } = detail;
-      node.properties[PROPERTY] = { report, table: markdown, json, chart };
-      show(node, node.properties[PROPERTY], true);
-      // Tell the workflow's change tracker, so the saved (and reload-persisted) workflow has the report.
-      app.canvas?.emitBeforeChange?.();
-      app.canvas?.emitAfterChange?.();
-    });
+    for (const [event, type] of Object.entries(EVENTS)) {
+      api.addEventListener(event, ({ detail }) => {
+        const node = detail && findNode(detail.node);
+        if (!node || nodeClass(node) !== type) return; // the prompt's tab is not the one shown
+        const { node: _id, path: _path, ...kept } = detail;
+        node.properties[PROPERTY] = kept;
+        show(node, node.properties[PROPERTY], true);
+        // Tell the workflow's change tracker, so the saved (and reload-persisted) workflow has the report.
+        app.canvas?.emitBeforeChange?.();
+        app.canvas?.emitAfterChange?.();
+      });
+    }
   },
   beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData.name !== NODE) return;
+    if (!(nodeData.name in RENDER)) return;
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const result = onNodeCreated?.apply(this, arguments);
