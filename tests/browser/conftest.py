@@ -3,7 +3,7 @@
 Skipped, with the reason shown, when the ``playwright`` package, /usr/bin/chromium ($SDOPT_CHROMIUM)
 or $COMFYUI_PATH is missing. Playwright's own browser downloads are never used. The server gets a
 free port and temporary output, input, temp, user and database locations; the checkpoints come from
-$SDOPT_TEST_MODELS (the mini checkpoint is generated there when absent).
+$SDOPT_TEST_MODELS (the SD1.5 and SDXL mini checkpoints are generated there when absent).
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-CHECKPOINT = "sdopt-mini-sd15.safetensors"
+# The checkpoints the example workflows load ({file: model name}), generated into $SDOPT_TEST_MODELS when absent.
+CHECKPOINTS = {"sdopt-mini-sd15.safetensors": "mini", "sdopt-mini-sdxl.safetensors": "sdxl-mini"}
 CHROMIUM = Path(os.environ.get("SDOPT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -90,10 +91,11 @@ def comfy_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("browser")
     checkpoints = Path(os.environ.get("SDOPT_TEST_MODELS") or root / "checkpoints")
-    if not (checkpoints / CHECKPOINT).exists():
-        from sdopt.tools.modelgen import write_checkpoint
+    from sdopt.tools.modelgen import write_checkpoint
 
-        write_checkpoint("mini", checkpoints / CHECKPOINT, seed=0, dtype="fp16", progress=False)
+    for name, model in CHECKPOINTS.items():
+        if not (checkpoints / name).exists():
+            write_checkpoint(model, checkpoints / name, seed=0, dtype="fp16", progress=False)
     models = root / "models"
     models.mkdir()
     (models / "checkpoints").symlink_to(checkpoints.resolve(), target_is_directory=True)

@@ -1,5 +1,8 @@
-"""The example workflows in ComfyUI's web UI: they open without missing nodes or sdopt.js errors, the
-Templates dialog offers them with thumbnails, and the baseline runs and shows its profile on the node."""
+"""The example workflows in ComfyUI's web UI: they open without missing nodes or sdopt.js errors and with
+their widgets as saved, the Templates dialog offers them with thumbnails drawn from the saved files, and
+the baseline runs and shows its profile on the node."""
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -11,12 +14,16 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
 REPORT = "SDOptProfileReport"
+# The JPEG comment of each thumbnail: the digest of the workflow it was drawn from.
+THUMBNAIL_OF = "sdopt thumbnail of workflow sha256 "
 
 TABLES = """() => [...document.querySelectorAll('.sdopt-report table')].map((t) => ({
     caption: t.caption?.textContent ?? '',
     head: [...t.tHead.rows[0].cells].map((c) => c.textContent),
     rows: [...t.tBodies[0].rows].map((r) => [...r.cells].map((c) => c.textContent)),
 }))"""
+
+SERIALIZED_NODES = "() => (app.rootGraph ?? app.graph).serialize().nodes"
 
 # How the report's element looks where it is shown: legible, read-only and not cut off.
 REPORT_BOX = """() => {
@@ -32,6 +39,16 @@ REPORT_BOX = """() => {
 }"""
 
 
+def _workflow_digest(path: Path) -> str:
+    """The digest of a workflow's content (key order, spacing and line endings aside)."""
+    canonical = json.dumps(json.loads(path.read_text()), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _saved_widgets(nodes: list[dict]) -> dict:
+    return {str(n["id"]): n.get("widgets_values") or [] for n in nodes}
+
+
 def test_sdopt_js_uses_only_the_public_frontend_api():
     source = (REPO / "web" / "sdopt.js").read_text()
     imports = re.findall(r'^import .* from "([^"]+)";', source, flags=re.M)
@@ -45,6 +62,8 @@ def test_workflow_opens_without_missing_nodes(comfy, workflow):
     comfy.page.wait_for_timeout(500)  # the missing-nodes dialog opens after the graph is configured
     assert [n["type"] for n in nodes if not n["registered"] or n["errors"]] == []
     assert comfy.missing_nodes_dialogs() == []
+    # Each widget shows its saved value (a node whose inputs changed would shift them).
+    assert _saved_widgets(comfy.page.evaluate(SERIALIZED_NODES)) == _saved_widgets(json.loads(workflow.read_text())["nodes"])
     if any(n["type"] == REPORT for n in nodes):
         comfy.page.wait_for_selector(".sdopt-report", state="attached", timeout=5_000)
     assert comfy.sdopt_messages() == [], f"frontend {comfy.frontend_version}"
@@ -136,10 +155,13 @@ def test_write_template_thumbnails(open_comfy, tmp_path):
     from PIL import Image
 
     # Drawn at 100 % (zoomed out, the canvas skips text), then scaled down.
-    comfy = open_comfy({"width": 2200, "height": 1600})
+    viewport = {"width": 2200, "height": 2000}
+    comfy = open_comfy(viewport)
     comfy.page.evaluate("app.extensionManager.command.execute('Workspace.ToggleFocusMode')")
+    comfy.page.evaluate("app.extensionManager.setting.set('Comfy.Graph.CanvasInfo', false)")
     for path in WORKFLOWS:
         comfy.open_workflow(path)
+        assert _saved_widgets(comfy.page.evaluate(SERIALIZED_NODES)) == _saved_widgets(json.loads(path.read_text())["nodes"])
         left, top, right, bottom = comfy.page.evaluate("""() => {
             const nodes = (app.rootGraph ?? app.graph).nodes, ds = app.canvas.ds;
             const x0 = Math.min(...nodes.map((n) => n.pos[0])), y0 = Math.min(...nodes.map((n) => n.pos[1])) - 50;
@@ -150,10 +172,23 @@ def test_write_template_thumbnails(open_comfy, tmp_path):
             const x1 = Math.max(...nodes.map((n) => n.pos[0] + n.size[0])), y1 = Math.max(...nodes.map((n) => n.pos[1] + n.size[1]));
             return [8, 8, x1 - x0 + 32, y1 - y0 + 32].map(Math.round);
         }""")
+        assert right <= viewport["width"] and bottom <= viewport["height"], f"{path.name} does not fit the viewport"
         comfy.page.wait_for_timeout(500)
         png = tmp_path / f"{path.stem}.png"
         comfy.page.screenshot(path=str(png), clip={"x": left, "y": top, "width": right - left, "height": bottom - top})
         with Image.open(png) as image:
             image = image.convert("RGB")
             image.thumbnail((800, 800), Image.LANCZOS)
-            image.save(path.with_suffix(".jpg"), quality=82, optimize=True)
+            image.save(path.with_suffix(".jpg"), quality=82, optimize=True, comment=THUMBNAIL_OF + _workflow_digest(path))
+
+
+@pytest.mark.parametrize("workflow", WORKFLOWS, ids=[path.stem for path in WORKFLOWS])
+def test_thumbnail_was_drawn_from_the_saved_workflow(workflow):
+    """Rewrite the thumbnails (SDOPT_WRITE_THUMBNAILS=1, above; pytest runs it first) whenever a workflow changes."""
+    from PIL import Image
+
+    with Image.open(workflow.with_suffix(".jpg")) as thumbnail:
+        comment = thumbnail.info.get("comment", b"").decode()
+    assert comment == THUMBNAIL_OF + _workflow_digest(workflow), (
+        f"{workflow.name} changed since its thumbnail was drawn: run this tier with SDOPT_WRITE_THUMBNAILS=1"
+    )
