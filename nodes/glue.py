@@ -6,7 +6,8 @@
   returns; the profiler copies a model's records into each run, and a patched VAE files its own
   into the prompt on every decode/encode, so records survive nodes that ComfyUI serves from cache.
 - **Private model copies**: ``private_copy`` gives a diffusion model its own converted weights
-  and a patcher that carries the input's patches, options, wrappers and callbacks.
+  and a patcher that carries the input's patches, options, wrappers and callbacks; the weights are
+  converted from those the model had before any sdopt copy, so chained copies round once.
 - **VAE copies**: ComfyUI has no ``VAE.clone()``; ``wrap_vae_methods`` returns a shallow copy
   whose decode/encode (tiled too) run through a wrapper bound to the copy.
 - **The per-prompt context**: the executing prompt and node, its profiled runs and records, and
@@ -25,6 +26,7 @@ import inspect
 import sys
 import time
 import types
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -166,31 +168,63 @@ def rebased(patcher, module: torch.nn.Module):
     return fresh
 
 
-def private_copy(model, convert: Callable[[torch.nn.Module], torch.nn.Module]):
+# A private copy's module → a weak reference to the module it was converted from, the weights as they
+# were before any sdopt copy: a chained copy converts from those, so two nodes in a row round once,
+# as the second alone would. Weak, so that a copy never keeps alive a model ComfyUI let go.
+_copied_from: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+SOURCE_FREED = "converted from the earlier sdopt copy's weights: the model it was copied from is no longer loaded"
+
+
+def copy_source(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """(the module whose weights a private copy of ``module`` converts, a note): the module before
+    any sdopt copy; ``module`` itself where it is no sdopt copy, or where its source was freed (noted)."""
+    ref = _copied_from.get(module)
+    source = ref() if ref is not None else None
+    if source is None:
+        return module, SOURCE_FREED if ref is not None else ""
+    return source, ""
+
+
+def _mark_copy(copied: torch.nn.Module, source: torch.nn.Module) -> None:
+    _copied_from[copied] = weakref.ref(source)
+
+
+def private_copy(model, convert: Callable[[torch.nn.Module], torch.nn.Module], notes: list[str] | None = None):
     """A patcher with the recipe of ``model`` over a BaseModel whose diffusion model is
-    ``convert(original diffusion model)``; ``model`` and every clone of it are left as they are."""
+    ``convert(original diffusion model)``, the original being the one before any sdopt copy;
+    ``model`` and every clone of it are left as they are. ``notes`` gets a line where that
+    original is gone and the input's weights were converted instead."""
     import comfy.model_management as mm
 
     base = model.model
-    _unload_everywhere(base)
+    source, note = copy_source(base)
+    _unload_everywhere(source)
     copied = _shallow_module_copy(base)
-    copied.diffusion_model = convert(base.diffusion_model)
+    copied.diffusion_model = convert(source.diffusion_model)
     copied.current_patcher = None
     if hasattr(mm, "archive_model_dtypes"):
         mm.archive_model_dtypes(copied.diffusion_model)
+    _mark_copy(copied, source)
+    if note and notes is not None:
+        notes.append(note)
     return rebased(model, copied)
 
 
-def private_vae_copy(vae, convert: Callable[[torch.nn.Module], torch.nn.Module]):
-    """A copy of ``vae`` with its own ``convert``-ed weights and its own patcher."""
+def private_vae_copy(vae, convert: Callable[[torch.nn.Module], torch.nn.Module], notes: list[str] | None = None):
+    """A copy of ``vae`` with its own ``convert``-ed weights, converted from the VAE's weights before
+    any sdopt copy, and its own patcher; ``notes`` as for ``private_copy``."""
     import comfy.model_management as mm
 
-    _unload_everywhere(vae.first_stage_model)
+    source, note = copy_source(vae.first_stage_model)
+    _unload_everywhere(source)
     duplicate = copy_vae(vae)
-    duplicate.first_stage_model = convert(vae.first_stage_model)
+    duplicate.first_stage_model = convert(source)
     if hasattr(mm, "archive_model_dtypes"):
         mm.archive_model_dtypes(duplicate.first_stage_model)
     duplicate.patcher = rebased(vae.patcher, duplicate.first_stage_model)
+    _mark_copy(duplicate.first_stage_model, source)
+    if note and notes is not None:
+        notes.append(note)
     return duplicate
 
 

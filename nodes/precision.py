@@ -1,7 +1,8 @@
 """SDOptPrecision (MODEL → MODEL): weight and compute dtype, TF32 and channels-last, on a copy.
 
 A compute-dtype change is ComfyUI's own ``set_model_compute_dtype`` on a clone. A weight-dtype or
-layout change gets a private copy of the diffusion model's weights (``glue.private_copy``); fp8
+layout change gets a private copy of the diffusion model's weights (``glue.private_copy``), converted
+from the weights before any sdopt copy, so a second Precision node rounds as if it were alone; fp8
 storage is upcast per layer by ComfyUI's cast path. Channels-last converts the 4-D (conv) weights:
 with NCHW weights a channels-last activation would make every convolution convert its weight on
 each call. TF32 is process-wide, so it is scoped to each sampling run by an OUTER_SAMPLE wrapper.
@@ -61,7 +62,7 @@ class SDOptPrecision:
         if plan.weight_dtype != stored or channels_last:
             glue.refuse_quantized(model, "weight_dtype" if plan.weight_dtype != stored else "channels_last")
             unet = model.model.diffusion_model
-            m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last))
+            m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last), notes)
             m.model.diffusion_model.dtype = plan.weight_dtype
             m.model.manual_cast_dtype = plan.compute_dtype if plan.upcasts else None
             m.set_model_compute_dtype(m.model.manual_cast_dtype)

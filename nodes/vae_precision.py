@@ -1,7 +1,8 @@
 """SDOptVAEPrecision (VAE → VAE): the VAE's dtype, on a copy, and a NaN guard.
 
 The guard redoes a decode or encode whose output has NaN/Inf (the fp16 black image) in a safer
-dtype, with weights converted from the node's input VAE, and counts every redo in the report.
+dtype, with weights converted from the node's input VAE, and counts every redo in the report. Every
+copy converts the VAE's weights as they were before any sdopt copy, so chained nodes round once.
 """
 from collections import Counter
 
@@ -17,8 +18,8 @@ from .glue import DEFAULT
 NODE = "SDOptVAEPrecision"
 
 
-def _in_dtype(vae, dtype: torch.dtype):
-    copied = glue.private_vae_copy(vae, lambda module: converted_copy(module, dtype))
+def _in_dtype(vae, dtype: torch.dtype, notes: list[str] | None = None):
+    copied = glue.private_vae_copy(vae, lambda module: converted_copy(module, dtype), notes)
     copied.vae_dtype = dtype
     return copied
 
@@ -77,7 +78,7 @@ class SDOptVAEPrecision:
         else:
             target = vae.vae_dtype if dtype == DEFAULT else parse_dtype(dtype, "dtype", COMPUTE_DTYPES)
         check_compute_dtype(target, vae.device, "dtype")
-        out = glue.copy_vae(vae) if target == vae.vae_dtype else _in_dtype(vae, target)
+        out = glue.copy_vae(vae) if target == vae.vae_dtype else _in_dtype(vae, target, notes)
         if out.first_stage_model is not vae.first_stage_model:
             before, after = weight_bytes(vae.first_stage_model), weight_bytes(out.first_stage_model)
             notes.append(f"VAE weights {format_mib(before)} → {format_mib(after)} MiB in a copy; the input VAE is unchanged")

@@ -264,12 +264,31 @@ def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint,
         assert stored_dtypes(second.model.diffusion_model) == {torch.float32}
         assert stored_dtypes(first.model.diffusion_model) == {torch.bfloat16}, "the first node's copy is left as it is"
         assert seen["x_dtype"] == torch.float32
-        assert rel_err(out, runs["reference"]) < REL_TOL["bf16"], "fp32 copies of the bf16 weights"
+        assert torch.equal(out, runs["reference"]), "fp32 from the original weights, not from the bf16 copy"
     else:
         first_dtype = dtype_name(first.model_dtype())
         assert record["active"] == f"weight={first_dtype}, compute={first_dtype}, tf32"
         assert second.model is first.model, "default keeps the first node's weights, shared"
     assert torch.equal(comfy_host.sample(model), runs["reference"]), "the original model is unchanged"
+
+
+CHAINS = {
+    "bf16, then fp32": (dict(weight_dtype="bf16"), dict(weight_dtype="fp32")),
+    "fp32 channels_last, then bf16": (dict(weight_dtype="fp32", channels_last=True), dict(weight_dtype="bf16")),
+    "fp8, then bf16 channels_last": (dict(weight_dtype="fp8_e4m3fn"), dict(weight_dtype="bf16", channels_last=True)),
+}
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_a_chain_of_two_weight_copies_equals_the_second_alone_bitwise(comfy_host, checkpoint, chain):
+    """The second node converts the weights the model had before the first copy: one rounding, not two."""
+    model, node = checkpoint[0], comfy_host.nodes[NODE]()
+    inputs = lambda given: dict(dict(compute_dtype="default", tf32=False, channels_last=False), **given)
+    first, second = (inputs(given) for given in CHAINS[chain])
+    (chained,) = node.patch(node.patch(model, **first)[0], **second)
+    (alone,) = node.patch(model, **second)
+    assert torch.equal(comfy_host.sample(chained), comfy_host.sample(alone))
+    assert all(torch.equal(a, b) for a, b in zip(chained.model.diffusion_model.state_dict().values(), alone.model.diffusion_model.state_dict().values()))
 
 
 def test_weight_dtype_is_auto_by_default_and_offers_every_dtype(comfy_host):

@@ -79,6 +79,15 @@ def test_bf16_copy_decodes_close_and_leaves_the_input_vae(comfy_host, checkpoint
     assert "in a copy; the input VAE is unchanged" in record["note"]
 
 
+def test_bf16_then_fp32_decodes_as_fp32_alone_bitwise(comfy_host, checkpoint, latent, prompt_context):
+    """The second copy converts the VAE's weights as loaded, not the bf16 copy's."""
+    vae, node = checkpoint[2], comfy_host.nodes[NODE]()
+    (chained,) = node.apply(node.apply(vae, "bf16", False)[0], "fp32", False)
+    (alone,) = node.apply(vae, "fp32", False)
+    assert stored_dtypes(chained.first_stage_model) == {torch.float32}
+    assert torch.equal(decode(chained, latent), decode(alone, latent))
+
+
 def test_auto_records_what_it_picked_and_why(comfy_host, checkpoint, latent, device, prompt_context):
     precision = comfy_host.pack("optim.precision")
     vae = checkpoint[2]

@@ -5,6 +5,7 @@ ComfyUI is never imported here: every ``comfy*`` module a function imports lazil
 layout of ``wrappers``). The host tier runs the same code against real ComfyUI.
 """
 import copy
+import gc
 import sys
 import types
 import uuid
@@ -411,6 +412,65 @@ def test_private_vae_copy(model_management, prompts):
     assert duplicate.patcher.model is duplicate.first_stage_model and vae.patcher.model is original
     assert model_management.archived == [duplicate.first_stage_model]
     assert duplicate.sdopt_records == vae.sdopt_records and duplicate.sdopt_records is not vae.sdopt_records
+
+
+def _recording(converted: list, dtype):
+    def convert(module):
+        converted.append(module)
+        return converted_copy(module, dtype)
+
+    return convert
+
+
+def test_a_chained_private_copy_converts_the_weights_before_any_sdopt_copy(model_management):
+    base = BaseModel()
+    original_unet = base.diffusion_model
+    converted, notes = [], []
+    first = glue.private_copy(OverridePatcher(base), _recording(converted, torch.bfloat16))
+    second = glue.private_copy(first, _recording(converted, torch.float32), notes)
+    third = glue.private_copy(second, _recording(converted, torch.float16), notes)
+    assert converted == [original_unet] * 3, "never the bf16 copy, never the fp32 copy of it"
+    assert glue.copy_source(third.model) == (base, "") and glue.copy_source(base) == (base, "")
+    assert all(torch.equal(a, b) for a, b in zip(second.model.diffusion_model.parameters(), original_unet.parameters())), \
+        "bf16 then fp32 holds the original fp32 weights, bit for bit"
+    assert first.model.diffusion_model[1].weight.dtype == torch.bfloat16, "the first copy is left as it is"
+    assert notes == []
+
+
+def test_a_chained_copy_unloads_the_source_it_reads(model_management):
+    base = BaseModel()
+    first = glue.private_copy(OverridePatcher(base), lambda module: converted_copy(module, torch.bfloat16))
+    source_loaded, copy_loaded = LoadedModel(OverridePatcher(base)), LoadedModel(first)
+    model_management.current_loaded_models[:] = [source_loaded, copy_loaded]
+    glue.private_copy(first, lambda module: converted_copy(module, torch.float32))
+    assert source_loaded.unloaded == 1, "the weights read must be the unpatched originals"
+    assert model_management.current_loaded_models == [copy_loaded]
+
+
+def test_a_copy_whose_source_was_freed_converts_its_input_and_says_so(model_management):
+    base = BaseModel()
+    first = glue.private_copy(OverridePatcher(base), lambda module: converted_copy(module, torch.bfloat16))
+    first.parent = None  # as on ComfyUI before 0.33, whose copy's patcher keeps no reference to its input
+    del base
+    gc.collect()
+    converted, notes = [], []
+    second = glue.private_copy(first, _recording(converted, torch.float32), notes)
+    assert converted == [first.model.diffusion_model]
+    assert notes == [glue.SOURCE_FREED]
+    assert glue.copy_source(second.model)[0] is first.model
+
+
+def test_a_chained_vae_copy_converts_the_weights_before_any_sdopt_copy(model_management, prompts):
+    vae = FakeVAE()
+    vae.first_stage_model = nn.Conv2d(3, 3, 1)
+    vae.patcher = OverridePatcher(vae.first_stage_model)
+    original = vae.first_stage_model
+    converted = []
+    first = glue.private_vae_copy(vae, _recording(converted, torch.bfloat16))
+    second = glue.private_vae_copy(first, _recording(converted, torch.float32))
+    assert converted == [original, original]
+    assert torch.equal(second.first_stage_model.weight, original.weight)
+    assert first.first_stage_model.weight.dtype == torch.bfloat16
 
 
 # --- e. keyed wrappers -----------------------------------------------------------------------------------
