@@ -1,5 +1,5 @@
-"""Tiled VAE decode and encode on CPU against the untiled module: a narrow diffusers ``AutoencoderKL``
-with SD1.5's layout (4 levels, 8x downscale, mid-block attention), random seeded weights.
+"""Tiled VAE decode and encode on CPU against the untiled module (the narrow diffusers VAE of
+``conftest``, random seeded weights).
 
 Exactness is checked with fp32 storage of the values kept between passes (only float rounding
 differs); the default fp16 storage is held to a PSNR bound. Out-of-memory retries are driven by a
@@ -9,52 +9,22 @@ import math
 
 import pytest
 import torch
-from diffusers import AutoencoderKL
 from torch import nn
 
-from sdopt.errors import UserError
-from sdopt.optim.tiled_vae import (
-    TiledVAEConfig,
-    UnsupportedVAE,
-    check_tile_inputs,
-    tiled_decode,
-    tiled_encode,
-    unsupported_reason,
-)
+from sdopt.optim.tiled_vae import TiledVAEConfig, UnsupportedVAE, tiled_decode, tiled_encode, unsupported_reason
 
-NARROW = dict(
-    in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-    block_out_channels=[16, 32, 32, 32], layers_per_block=1, latent_channels=4, norm_num_groups=8,
-)
 # fp32 storage: |tiled - untiled| on decoder outputs of magnitude ~1 (measured: up to 3e-6, from
 # convolutions on other shapes and the combined GroupNorm statistics).
 EXACT_ATOL = 2e-5
 # fp16 storage of the kept values, as [0, 1] images (measured: about 70 dB on the full SD VAE).
 FP16_MIN_PSNR_DB = 55
-LATENT = (13, 18)  # odd sides: uneven tiles, the last row and column narrower
+LATENT = (13, 18)  # conftest's latent sides
 TILE = 64  # image pixels: a 2x3 grid on LATENT
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     mse = ((a.double() - b.double()) / 2).square().mean().item()
     return math.inf if mse == 0 else 10 * math.log10(1 / mse)
-
-
-@pytest.fixture(scope="module")
-def vae():
-    torch.manual_seed(0)
-    return AutoencoderKL(**NARROW).eval()
-
-
-@pytest.fixture(scope="module")
-def latent():
-    return torch.randn(2, 4, *LATENT, generator=torch.Generator().manual_seed(1)) * torch.tensor([1.0, 3.0]).view(2, 1, 1, 1)
-
-
-@pytest.fixture(scope="module")
-def reference(vae, latent):
-    with torch.no_grad():
-        return vae.decode(latent).sample
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -64,6 +34,7 @@ def test_tiled_decode_matches_untiled(vae, latent, reference, keep, overlap):
     result = tiled_decode(vae, latent, TiledVAEConfig(tile=TILE, overlap=overlap, keep_intermediates=keep, store_dtype=None))
     assert result.stats.tiled and result.stats.grid == (2, 3) and result.stats.tile == TILE
     assert result.stats.kept_intermediates is keep
+    assert (result.stats.store_dtype, result.stats.stored, result.stats.stored_wide) == (None, 0, 0)
     assert result.output.shape == reference.shape
     assert (result.output - reference).abs().max().item() <= EXACT_ATOL
 
@@ -71,20 +42,25 @@ def test_tiled_decode_matches_untiled(vae, latent, reference, keep, overlap):
 def test_fp16_storage_stays_close(vae, latent, reference):
     result = tiled_decode(vae, latent, TiledVAEConfig(tile=TILE))
     assert psnr(result.output, reference) >= FP16_MIN_PSNR_DB
+    stats = result.stats
+    assert stats.stored > 0 and stats.stored_wide == 0 and "past fp16" not in stats.describe()
 
 
-def test_values_beyond_fp16_are_stored_exactly(latent):
-    """Activations past fp16's range (65504) are kept in the compute dtype, tile by tile."""
-    torch.manual_seed(0)
-    loud = AutoencoderKL(**NARROW).eval()
+def test_values_beyond_fp16_are_stored_wide_and_counted(make_vae, latent):
+    """Activations past fp16's range (65504), as the SDXL VAE's, are kept in the compute dtype,
+    tile by tile, and the stats say how many."""
+    loud = make_vae()
     with torch.no_grad():
         loud.decoder.conv_in.weight.mul_(1e6)
         loud.decoder.conv_in.bias.mul_(1e6)
         assert loud.decoder.conv_in(latent).abs().max() > 1e5
         reference = loud.decode(latent).sample
-    out = tiled_decode(loud, latent, TiledVAEConfig(tile=TILE)).output
-    assert torch.isfinite(out).all()
-    assert psnr(out, reference) >= FP16_MIN_PSNR_DB
+    result = tiled_decode(loud, latent, TiledVAEConfig(tile=TILE))
+    assert torch.isfinite(result.output).all()
+    assert psnr(result.output, reference) >= FP16_MIN_PSNR_DB
+    stats = result.stats
+    assert 0 < stats.stored_wide < stats.stored and (stats.store_dtype, stats.compute_dtype) == ("fp16", "fp32")
+    assert f"{stats.stored_wide} of {stats.stored} stored tile values past fp16's range kept in fp32" in stats.describe()
 
 
 def test_tiled_encode_matches_untiled(vae):
@@ -102,25 +78,6 @@ def test_encode_needs_sides_in_multiples_of_the_downscale(vae):
         tiled_encode(vae, torch.zeros(1, 3, 100, 64), TiledVAEConfig(tile=TILE))
 
 
-@pytest.mark.parametrize(("tile", "overlap", "input_name"), [
-    (100, 0, "tile: 100 px is not a multiple of 8"),
-    (32, 0, "tile: 32 px is under the 64 px minimum"),
-    (512, 512, "overlap: 512 px must be smaller than tile"),
-    (512, 12, "overlap: 12 px must be 0 or a positive multiple of 8"),
-])
-def test_invalid_settings_name_the_input(tile, overlap, input_name):
-    assert check_tile_inputs(tile, overlap).startswith(input_name)
-    with pytest.raises(UserError, match=f"^{input_name}"):
-        TiledVAEConfig(tile=tile, overlap=overlap)
-
-
-def test_valid_settings_pass():
-    assert check_tile_inputs(None, 0) is None and check_tile_inputs(0, 64) is None
-    assert check_tile_inputs(64, 56) is None
-    with pytest.raises(UserError, match="^budget_bytes"):
-        TiledVAEConfig(budget_bytes=0)
-
-
 class _OOMAbove(nn.Conv2d):
     """A convolution whose allocations fail, like CUDA's, for inputs larger than ``pixels``."""
 
@@ -136,15 +93,14 @@ class _OOMAbove(nn.Conv2d):
         return super().forward(x)
 
 
-def _with_failing_conv_out(pixels: int):
-    torch.manual_seed(0)
-    model = AutoencoderKL(**NARROW).eval()
+def _with_failing_conv_out(make_vae, pixels: int):
+    model = make_vae()
     model.decoder.conv_out = _OOMAbove(model.decoder.conv_out, pixels)
     return model
 
 
-def test_out_of_memory_retries_with_smaller_tiles(latent, reference):
-    model = _with_failing_conv_out(80 * 80)  # a 64 px tile with its halo passes, a 128 px one does not
+def test_out_of_memory_retries_with_smaller_tiles(make_vae, latent, reference):
+    model = _with_failing_conv_out(make_vae, 80 * 80)  # a 64 px tile with its halo passes, a 128 px one does not
     result = tiled_decode(model, latent, TiledVAEConfig(tile=256, store_dtype=None))
     stats = result.stats
     assert (stats.oom_retries, stats.tiles_tried, stats.tile) == (2, (256, 128, 64), 64)
@@ -152,8 +108,8 @@ def test_out_of_memory_retries_with_smaller_tiles(latent, reference):
     assert (result.output - reference).abs().max().item() <= EXACT_ATOL
 
 
-def test_out_of_memory_at_the_smallest_tile_is_raised(latent):
-    model = _with_failing_conv_out(8 * 8)
+def test_out_of_memory_at_the_smallest_tile_is_raised(make_vae, latent):
+    model = _with_failing_conv_out(make_vae, 8 * 8)
     with pytest.raises(torch.OutOfMemoryError):
         tiled_decode(model, latent, TiledVAEConfig(tile=128))
     assert model.decoder.conv_out.calls, "the failing convolution was reached"
@@ -187,26 +143,25 @@ def test_progress_counts_every_tile_of_every_pass(vae, latent):
     assert calls == [(n, total) for n in range(1, total + 1)]
 
 
-def test_the_module_is_left_as_it_was(latent):
-    torch.manual_seed(0)
-    model = AutoencoderKL(**NARROW).eval()
+def test_the_module_is_left_as_it_was(make_vae, latent):
+    model = make_vae()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tiled_decode(model, latent, TiledVAEConfig(tile=TILE))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
-def test_unknown_layouts_are_refused(vae):
+def test_unknown_layouts_are_refused(vae, make_vae):
     assert unsupported_reason(vae, "decode") is None and unsupported_reason(vae, "encode") is None
     assert "has no decoder" in unsupported_reason(nn.Conv2d(4, 4, 3), "decode")
-    with_attention = AutoencoderKL(**{**NARROW, "up_block_types": ["AttnUpDecoderBlock2D"] * 4})
+    with_attention = make_vae(up_block_types=["AttnUpDecoderBlock2D"] * 4)
     assert "attention in an up block" in unsupported_reason(with_attention, "decode")
     with pytest.raises(UnsupportedVAE):
         tiled_decode(with_attention, torch.zeros(1, 4, 8, 8))
 
 
-def test_an_untiled_decode_that_runs_out_of_memory_is_tiled(latent, reference):
-    model = _with_failing_conv_out(80 * 80)
+def test_an_untiled_decode_that_runs_out_of_memory_is_tiled(make_vae, latent, reference):
+    model = _with_failing_conv_out(make_vae, 80 * 80)
     result = tiled_decode(model, latent, TiledVAEConfig(only_when_needed=True, budget_bytes=2**40, tile=64, store_dtype=None))
     assert result.stats.tiled and (result.stats.oom_retries, result.stats.tiles_tried) == (1, (144, 64))
     assert (result.output - reference).abs().max().item() <= EXACT_ATOL
