@@ -11,16 +11,21 @@ import copy
 
 from ..errors import UserError
 from ..measure.record import record
-from ..optim.tiled_vae import DECODE, ENCODE, TiledVAEConfig, UnsupportedVAE, check_tile_inputs, tiled_decode, tiled_encode, unsupported_reason
+from ..optim.tiled_vae import DECODE, ENCODE, TiledVAEConfig, UnsupportedVAE, check_overlap, check_tile, tiled_decode, tiled_encode, unsupported_reason
 from . import glue
 
 NODE = "SDOptTiledVAE"
 
 
-def _problem(tile, overlap, budget_mb):
+def _check_budget(budget_mb) -> str | None:
     if budget_mb < 0:
         return f"budget_mb: {budget_mb} must be 0 (the device's free memory) or a positive number of MiB"
-    return check_tile_inputs(tile, overlap)
+    return None
+
+
+def _problem(tile, overlap, budget_mb) -> str | None:
+    """The first input's problem, each message naming its own input."""
+    return check_tile(tile) or check_overlap(overlap, tile) or _check_budget(budget_mb)
 
 
 class _TilingAutoencoder:
@@ -78,11 +83,14 @@ class SDOptTiledVAE:
                 "CPU) when the call starts.")}),
         }}
 
+    # ComfyUI files a VALIDATE_INPUTS failure under every input the method takes, so it takes only
+    # tile: overlap (which needs tile too) and budget_mb are checked when the node runs, and a
+    # negative budget_mb already fails ComfyUI's own minimum check, under its own name.
     @classmethod
-    def VALIDATE_INPUTS(cls, tile, overlap, budget_mb):
-        if None in (tile, overlap, budget_mb):  # linked inputs: checked when the node runs
+    def VALIDATE_INPUTS(cls, tile):
+        if tile is None:  # a linked input: checked when the node runs
             return True
-        return _problem(tile, overlap, budget_mb) or True
+        return check_tile(tile) or True
 
     def apply(self, vae, tile, overlap, only_when_needed, budget_mb):
         problem = _problem(tile, overlap, budget_mb)

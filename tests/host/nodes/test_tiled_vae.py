@@ -73,23 +73,50 @@ def test_inputs_and_their_defaults(comfy_host):
     assert "0 = auto" in inputs["tile"][1]["tooltip"]
 
 
+def validation_errors(comfy_host, tile, overlap, budget_mb) -> list[tuple[str, str]]:
+    """(input name, message and details) of every error ComfyUI's own validate_prompt files for the node."""
+    import asyncio
+
+    import execution
+
+    prompt = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": comfy_host.checkpoint.name}},
+        "2": {"class_type": NODE, "inputs": {"vae": ["1", 2], "tile": tile, "overlap": overlap,
+                                             "only_when_needed": False, "budget_mb": budget_mb}},
+        "3": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "4": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["2", 0]}},
+        "5": {"class_type": "PreviewImage", "inputs": {"images": ["4", 0]}},
+    }
+    _, _, _, node_errors = asyncio.run(execution.validate_prompt("test-validation", prompt, None))
+    assert set(node_errors) <= {"2"}, node_errors
+    return [(e["extra_info"]["input_name"], f"{e['message']}: {e['details']}") for e in node_errors.get("2", {}).get("errors", [])]
+
+
+@pytest.mark.parametrize(("tile", "overlap", "budget_mb", "name", "message"), [
+    (100, 0, 0, "tile", "tile: 100 px is not a multiple of 8"),
+    (32, 0, 0, "tile", "tile: 32 px is under the 64 px minimum"),
+    (256, 0, -1, "budget_mb", "Value -1 smaller than min of 0"),
+])
+def test_validation_files_each_error_once_under_its_input(comfy_host, vae, tile, overlap, budget_mb, name, message):
+    ((input_name, details),) = validation_errors(comfy_host, tile, overlap, budget_mb)
+    assert input_name == name and message in details and "\n" not in details
+
+
 @pytest.mark.parametrize(("tile", "overlap", "budget_mb", "message"), [
     (100, 0, 0, "tile: 100 px is not a multiple of 8"),
-    (32, 0, 0, "tile: 32 px is under the 64 px minimum"),
     (256, 256, 0, "overlap: 256 px must be smaller than tile"),
+    (256, 12, 0, "overlap: 12 px must be 0 or a positive multiple of 8"),
     (256, 0, -1, "budget_mb: -1 must be 0"),
 ])
-def test_invalid_inputs_get_a_one_line_error(comfy_host, vae, tile, overlap, budget_mb, message):
-    node = comfy_host.nodes[NODE]
-    problem = node.VALIDATE_INPUTS(tile=tile, overlap=overlap, budget_mb=budget_mb)
-    assert problem.startswith(message) and "\n" not in problem
+def test_the_node_names_the_bad_input_when_it_runs(comfy_host, vae, tile, overlap, budget_mb, message):
+    """Overlap (it needs tile) passes validation and fails here; linked values skip validation."""
     with pytest.raises(comfy_host.pack("errors").UserError, match=f"^{message}"):
-        node().apply(vae, tile, overlap, False, budget_mb)
+        comfy_host.nodes[NODE]().apply(vae, tile, overlap, False, budget_mb)
 
 
 def test_valid_inputs_pass_validation(comfy_host):
-    assert comfy_host.nodes[NODE].VALIDATE_INPUTS(tile=0, overlap=64, budget_mb=0) is True
-    assert comfy_host.nodes[NODE].VALIDATE_INPUTS(tile=512, overlap=64, budget_mb=2048) is True
+    assert validation_errors(comfy_host, 0, 64, 0) == []
+    assert validation_errors(comfy_host, 512, 64, 2048) == []
 
 
 def test_stock_decode_tiles_like_untiled_and_leaves_the_input_vae(comfy_host, vae, latent, reference, prompt_context):
