@@ -52,11 +52,11 @@ SDXL = Family(
             image_size=64,
         ),
         # Detected as SDXL (input depths 0, 0, 2, 2, 10, 10 and its widths of context and y) with every
-        # level 320 wide and one transformer block in the middle and on the output side: ~150M UNet
-        # parameters, about SD1.5 mini's cost. Both text encoders and the VAE at full size (ComfyUI
-        # fixes their shapes).
+        # level 320 wide and one transformer block per output block. The middle keeps the last level's
+        # 10 blocks, as in SDXL and as diffusers (plan, benches) can build it. Both text encoders and
+        # the VAE at full size (ComfyUI fixes their shapes).
         "mini": CheckpointConfig(
-            UNetConfig(**{**_SDXL_UNET, "channel_mult": (1, 1, 1), "transformer_depth_middle": 1,
+            UNetConfig(**{**_SDXL_UNET, "channel_mult": (1, 1, 1), "transformer_depth_middle": 10,
                           "transformer_depth_output": (0, 1, 1)}),
             (CLIP_L, CLIP_G),
             VAEConfig(fp16_overflow=True),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .bench_speed import CHANNELS_LAST, RUNGS as SPEED_RUNGS
+from ..families import MODEL_NAMES, resolve_model
 from .modelgen import CHECKPOINT_DTYPES, SIZES
 
 
@@ -20,9 +21,10 @@ from .modelgen import CHECKPOINT_DTYPES, SIZES
 def _make_model(args: argparse.Namespace) -> None:
     from .modelgen import write_checkpoint
 
-    summary = write_checkpoint(args.size, args.out, seed=args.seed, dtype=args.dtype, progress=True)
+    summary = write_checkpoint(args.model, args.out, seed=args.seed, dtype=args.dtype, progress=True)
+    family, _ = resolve_model(args.model)
     print(
-        f"wrote {summary.path}: {args.size} SD1.5 checkpoint, {summary.param_count:,} parameters, "
+        f"wrote {summary.path}: {args.model} {family.title} checkpoint, {summary.param_count:,} parameters, "
         f"{summary.file_bytes / 2**20:,.1f} MiB ({args.dtype}, seed {args.seed})"
     )
 
@@ -203,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    make = commands.add_parser("make-model", help="write a deterministic random-weight SD1.5 checkpoint")
-    make.add_argument("size", choices=SIZES)
+    make = commands.add_parser("make-model", help="write a deterministic random-weight checkpoint (SD1.5, SDXL)")
+    make.add_argument("model", choices=MODEL_NAMES)
     make.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="fp16")

@@ -1,14 +1,13 @@
-"""Deterministic random-weight SD1.5 checkpoints in the original single-file LDM layout.
+"""Deterministic random-weight checkpoints in the original single-file layout of each model family.
 
-No weights can be downloaded, so sdopt writes its own: ``model.diffusion_model.*``
-(LDM UNet), ``cond_stage_model.transformer.text_model.*`` (HF CLIP text encoder) and
-``first_stage_model.*`` (LDM AutoencoderKL), in one safetensors file. The key/shape
-manifest is derived from an architecture config per size:
-
-- ``full``: the real SD1.5 shapes.
-- ``mini``: a smaller UNet that ComfyUI still detects as SD15, with the full text
-  encoder and VAE (ComfyUI fixes their shapes).
-- ``tiny``: everything small, for unit tests (not loadable by ComfyUI).
+No weights can be downloaded, so sdopt writes its own. What a checkpoint holds comes from
+``families``: the family's ``CheckpointConfig`` for the model name (``mini``, ``sdxl-mini``, ...)
+gives the LDM UNet (``model.diffusion_model.*``), the text encoders (HF CLIP under their prefix,
+e.g. ``cond_stage_model.transformer.text_model.*``, or OpenCLIP's format, SDXL's
+``conditioner.embedders.1.model.*``) and the LDM AutoencoderKL (``first_stage_model.*``), written
+into one safetensors file. Per family, ``tiny`` is small for unit tests (not loadable by ComfyUI),
+``mini`` is a smaller UNet that ComfyUI still detects as the family, with the text encoders and
+VAE at full size (ComfyUI fixes their shapes), ``full`` has the real shapes.
 
 Each tensor depends only on (seed, key), so a given seed always gives the same file.
 """
@@ -26,110 +25,34 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..families import (
+    MODEL_NAMES,
+    UNET_PREFIX,
+    VAE_PREFIX,
+    TextEncoderConfig,
+    UNetConfig,
+    VAEConfig,
+    checkpoint_config,
+    resolve_model,
+)
 from ..optim.precision import DTYPES
 
-UNET_PREFIX = "model.diffusion_model."
-TEXT_ENCODER_PREFIX = "cond_stage_model.transformer."
-VAE_PREFIX = "first_stage_model."
+# The model names the generator knows (bench_* import this name).
+SIZES = MODEL_NAMES
 
 CHECKPOINT_DTYPES = ("fp16", "fp32")
 _SAFETENSORS_DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32"}
 
 # Std of everything that is not a conv/linear weight or a norm scale: biases, embeddings, norm shifts.
 _SMALL_STD = 0.02
-
-
-@dataclass(frozen=True)
-class UNetConfig:
-    """LDM ``UNetModel`` hyper-parameters (``openaimodel.py``), SD1.5 by default."""
-
-    in_channels: int = 4
-    out_channels: int = 4
-    model_channels: int = 320
-    channel_mult: tuple[int, ...] = (1, 2, 4, 4)
-    num_res_blocks: int = 2
-    # Indices into channel_mult whose blocks carry a SpatialTransformer (LDM
-    # attention_resolutions (4, 2, 1) are the downsampling factors 2**level).
-    attention_levels: tuple[int, ...] = (0, 1, 2)
-    transformer_depth: int = 1
-    num_heads: int = 8
-    context_dim: int = 768
-
-    @property
-    def time_embed_dim(self) -> int:
-        return 4 * self.model_channels
-
-
-@dataclass(frozen=True)
-class TextEncoderConfig:
-    """HF ``CLIPTextModel`` hyper-parameters, CLIP ViT-L/14 (SD1.5) by default."""
-
-    vocab_size: int = 49408
-    max_position_embeddings: int = 77
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
-
-
-@dataclass(frozen=True)
-class VAEConfig:
-    """LDM ``AutoencoderKL`` ddconfig, SD1.5 by default."""
-
-    in_channels: int = 3
-    out_channels: int = 3
-    ch: int = 128
-    ch_mult: tuple[int, ...] = (1, 2, 4, 4)
-    num_res_blocks: int = 2
-    z_channels: int = 4
-    scaling_factor: float = 0.18215
-
-    @property
-    def downscale(self) -> int:
-        return 2 ** (len(self.ch_mult) - 1)
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    unet: UNetConfig
-    text_encoder: TextEncoderConfig
-    vae: VAEConfig
-    # Default image side in pixels; the UNet's latent side is image_size // vae.downscale.
-    image_size: int = 512
-
-
-CONFIGS: dict[str, CheckpointConfig] = {
-    # Mirrors SD1.5's structure (attention on all but the last level) at toy widths; the
-    # full CLIP vocabulary stays so that any CLIP tokenizer's ids are valid.
-    "tiny": CheckpointConfig(
-        UNetConfig(
-            model_channels=32,
-            channel_mult=(1, 2),
-            num_res_blocks=1,
-            attention_levels=(0,),
-            num_heads=2,
-            context_dim=32,
-        ),
-        TextEncoderConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
-        VAEConfig(ch=32, ch_mult=(1, 2), num_res_blocks=1),
-        image_size=64,
-    ),
-    "mini": CheckpointConfig(
-        UNetConfig(channel_mult=(1, 2), num_res_blocks=1, attention_levels=(0, 1)),
-        TextEncoderConfig(),
-        VAEConfig(),
-    ),
-    "full": CheckpointConfig(UNetConfig(), TextEncoderConfig(), VAEConfig()),
-}
-SIZES = tuple(CONFIGS)
-
-
-def checkpoint_config(size: str) -> CheckpointConfig:
-    try:
-        return CONFIGS[size]
-    except KeyError:
-        raise UserError(f"unknown model size {size!r}: choose one of {', '.join(SIZES)}") from None
-
+# OpenCLIP's trained temperature, log(100).
+_LOGIT_SCALE = math.log(100.0)
+# Where a VAE with ``fp16_overflow`` overflows, and by how much its output is scaled: the conv feeds a
+# GroupNorm, which divides the scale out again, so fp32 and bf16 decode as if unscaled, while values
+# near 2**16 times their unit scale pass fp16's maximum (65504), as in the real SDXL VAE. A power of
+# two keeps the fp16 file an exact scaled copy of the unscaled weights' rounding.
+_FP16_OVERFLOW_CONV = "decoder.mid.block_1.conv1"
+_FP16_OVERFLOW_SCALE = 2.0**16
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -176,6 +99,12 @@ class _SpecBuilder:
     def embedding(self, name: str, count: int, dim: int) -> None:
         self.specs[f"{name}.weight"] = TensorSpec((count, dim), std=_SMALL_STD)
 
+    def scale(self, name: str, factor: float) -> None:
+        """Multiply the weight and bias of module ``name`` by ``factor``."""
+        for key in (f"{name}.weight", f"{name}.bias"):
+            spec = self.specs[key]
+            self.specs[key] = TensorSpec(spec.shape, std=spec.std * factor, mean=spec.mean * factor)
+
 
 def _unet_res_block(b: _SpecBuilder, name: str, in_channels: int, out_channels: int, time_embed_dim: int) -> None:
     b.norm(f"{name}.in_layers.0", in_channels)
@@ -187,12 +116,13 @@ def _unet_res_block(b: _SpecBuilder, name: str, in_channels: int, out_channels: 
         b.conv(f"{name}.skip_connection", out_channels, in_channels, 1)
 
 
-def _unet_spatial_transformer(b: _SpecBuilder, name: str, channels: int, cfg: UNetConfig) -> None:
+def _unet_spatial_transformer(b: _SpecBuilder, name: str, channels: int, depth: int, cfg: UNetConfig) -> None:
     b.norm(f"{name}.norm", channels)
-    # SD1.x uses 1x1 convs here; SD2 switched to linear (use_linear_in_transformer).
-    b.conv(f"{name}.proj_in", channels, channels, 1)
-    for depth in range(cfg.transformer_depth):
-        block = f"{name}.transformer_blocks.{depth}"
+    # SD1.x projects with 1x1 convs; SD2 and SDXL with linear layers (use_linear_in_transformer).
+    project = b.linear if cfg.use_linear_in_transformer else (lambda key, out, inp: b.conv(key, out, inp, 1))
+    project(f"{name}.proj_in", channels, channels)
+    for index in range(depth):
+        block = f"{name}.transformer_blocks.{index}"
         for attn, kv_dim in (("attn1", channels), ("attn2", cfg.context_dim)):
             b.linear(f"{block}.{attn}.to_q", channels, channels, bias=False)
             b.linear(f"{block}.{attn}.to_k", channels, kv_dim, bias=False)
@@ -203,7 +133,7 @@ def _unet_spatial_transformer(b: _SpecBuilder, name: str, channels: int, cfg: UN
         b.linear(f"{block}.ff.net.2", channels, 4 * channels)
         for norm in ("norm1", "norm2", "norm3"):
             b.norm(f"{block}.{norm}", channels)
-    b.conv(f"{name}.proj_out", channels, channels, 1)
+    project(f"{name}.proj_out", channels, channels)
 
 
 def unet_ldm_specs(cfg: UNetConfig) -> dict[str, TensorSpec]:
@@ -212,6 +142,10 @@ def unet_ldm_specs(cfg: UNetConfig) -> dict[str, TensorSpec]:
     temb = cfg.time_embed_dim
     b.linear("time_embed.0", temb, cfg.model_channels)
     b.linear("time_embed.2", temb, temb)
+    if cfg.adm_in_channels:
+        # The y vector's embedding, added to the time embedding (num_classes="sequential").
+        b.linear("label_emb.0.0", temb, cfg.adm_in_channels)
+        b.linear("label_emb.0.2", temb, temb)
 
     b.conv("input_blocks.0.0", cfg.model_channels, cfg.in_channels, 3)
     channels = cfg.model_channels
@@ -222,8 +156,8 @@ def unet_ldm_specs(cfg: UNetConfig) -> dict[str, TensorSpec]:
         for _ in range(cfg.num_res_blocks):
             _unet_res_block(b, f"input_blocks.{block}.0", channels, cfg.model_channels * mult, temb)
             channels = cfg.model_channels * mult
-            if level in cfg.attention_levels:
-                _unet_spatial_transformer(b, f"input_blocks.{block}.1", channels, cfg)
+            if cfg.transformer_depth[level]:
+                _unet_spatial_transformer(b, f"input_blocks.{block}.1", channels, cfg.transformer_depth[level], cfg)
             skip_channels.append(channels)
             block += 1
         if level != last_level:
@@ -232,18 +166,19 @@ def unet_ldm_specs(cfg: UNetConfig) -> dict[str, TensorSpec]:
             block += 1
 
     _unet_res_block(b, "middle_block.0", channels, channels, temb)
-    _unet_spatial_transformer(b, "middle_block.1", channels, cfg)
+    _unet_spatial_transformer(b, "middle_block.1", channels, cfg.transformer_depth_middle, cfg)
     _unet_res_block(b, "middle_block.2", channels, channels, temb)
 
     block = 0
     for level in reversed(range(len(cfg.channel_mult))):
+        depth = cfg.output_depth[level]
         for index in range(cfg.num_res_blocks + 1):
             out_channels = cfg.model_channels * cfg.channel_mult[level]
             _unet_res_block(b, f"output_blocks.{block}.0", channels + skip_channels.pop(), out_channels, temb)
             channels = out_channels
             layer = 1
-            if level in cfg.attention_levels:
-                _unet_spatial_transformer(b, f"output_blocks.{block}.1", channels, cfg)
+            if depth:
+                _unet_spatial_transformer(b, f"output_blocks.{block}.1", channels, depth, cfg)
                 layer = 2
             if level != 0 and index == cfg.num_res_blocks:
                 b.conv(f"output_blocks.{block}.{layer}.conv", channels, channels, 3)
@@ -255,11 +190,11 @@ def unet_ldm_specs(cfg: UNetConfig) -> dict[str, TensorSpec]:
 
 
 def clip_text_specs(cfg: TextEncoderConfig) -> dict[str, TensorSpec]:
-    """The HF ``CLIPTextModel`` state dict, with the ``text_model.`` key prefix of SD1.5 files.
+    """The HF ``CLIPTextModel`` state dict, with the ``text_model.`` key prefix of SD checkpoints.
 
-    transformers >= 5.6 flattened CLIPTextModel, so its own keys lack that prefix.
-    SD1.5 checkpoints carry neither ``position_ids`` (a non-persistent buffer) nor
-    ``text_projection`` (which belongs to CLIPTextModelWithProjection).
+    transformers >= 5.6 flattened CLIPTextModel, so its own keys lack that prefix. SD1.5 and SDXL
+    checkpoints carry neither ``position_ids`` (a non-persistent buffer) nor ``text_projection``
+    (which belongs to CLIPTextModelWithProjection).
     """
     b = _SpecBuilder()
     hidden = cfg.hidden_size
@@ -275,6 +210,39 @@ def clip_text_specs(cfg: TextEncoderConfig) -> dict[str, TensorSpec]:
         b.norm(f"{layer}.layer_norm2", hidden)
     b.norm("text_model.final_layer_norm", hidden)
     return b.specs
+
+
+def open_clip_text_specs(cfg: TextEncoderConfig) -> dict[str, TensorSpec]:
+    """The text tower of an OpenCLIP ``CLIP`` model in its own key format (SDXL's CLIP-G).
+
+    q, k and v sit in one ``attn.in_proj_weight``; ``positional_embedding`` and ``text_projection``
+    are bare parameters, the latter stored (hidden, projection) and applied as ``x @ text_projection``.
+    """
+    b = _SpecBuilder()
+    hidden = cfg.hidden_size
+    b.embedding("token_embedding", cfg.vocab_size, hidden)
+    b.specs["positional_embedding"] = TensorSpec((cfg.max_position_embeddings, hidden), std=_SMALL_STD)
+    for index in range(cfg.num_hidden_layers):
+        block = f"transformer.resblocks.{index}"
+        b.norm(f"{block}.ln_1", hidden)
+        b.specs[f"{block}.attn.in_proj_weight"] = TensorSpec((3 * hidden, hidden), std=hidden**-0.5)
+        b.specs[f"{block}.attn.in_proj_bias"] = TensorSpec((3 * hidden,), std=_SMALL_STD)
+        b.linear(f"{block}.attn.out_proj", hidden, hidden)
+        b.norm(f"{block}.ln_2", hidden)
+        b.linear(f"{block}.mlp.c_fc", cfg.intermediate_size, hidden)
+        b.linear(f"{block}.mlp.c_proj", hidden, cfg.intermediate_size)
+    b.norm("ln_final", hidden)
+    b.specs["text_projection"] = TensorSpec((hidden, cfg.projection_dim or hidden), std=hidden**-0.5)
+    b.specs["logit_scale"] = TensorSpec((), std=0.0, mean=_LOGIT_SCALE)
+    return b.specs
+
+
+_TEXT_ENCODER_SPECS = {"hf_clip": clip_text_specs, "open_clip": open_clip_text_specs}
+
+
+def text_encoder_specs(cfg: TextEncoderConfig) -> dict[str, TensorSpec]:
+    """The state dict of one text encoder in its checkpoint format (keys without ``cfg.prefix``)."""
+    return _TEXT_ENCODER_SPECS[cfg.kind](cfg)
 
 
 def _vae_res_block(b: _SpecBuilder, name: str, in_channels: int, out_channels: int) -> None:
@@ -326,53 +294,89 @@ def vae_ldm_specs(cfg: VAEConfig) -> dict[str, TensorSpec]:
             b.conv(f"decoder.up.{level}.upsample.conv", channels, channels, 3)
     b.norm("decoder.norm_out", channels)
     b.conv("decoder.conv_out", cfg.out_channels, channels, 3)
+    if cfg.fp16_overflow:
+        b.scale(_FP16_OVERFLOW_CONV, _FP16_OVERFLOW_SCALE)
     return b.specs
 
 
-def checkpoint_specs(size: str) -> dict[str, TensorSpec]:
-    """Every tensor of the single-file checkpoint for ``size``, with full LDM keys."""
-    cfg = checkpoint_config(size)
-    specs: dict[str, TensorSpec] = {}
-    for prefix, part in (
-        (UNET_PREFIX, unet_ldm_specs(cfg.unet)),
-        (TEXT_ENCODER_PREFIX, clip_text_specs(cfg.text_encoder)),
-        (VAE_PREFIX, vae_ldm_specs(cfg.vae)),
-    ):
-        specs.update({prefix + key: spec for key, spec in part.items()})
-    return specs
+def checkpoint_specs(name: str) -> dict[str, TensorSpec]:
+    """Every tensor of the single-file checkpoint of model ``name``, with full keys."""
+    cfg = checkpoint_config(name)
+    parts = [(UNET_PREFIX, unet_ldm_specs(cfg.unet))]
+    parts += [(text.prefix, text_encoder_specs(text)) for text in cfg.text_encoders]
+    parts.append((VAE_PREFIX, vae_ldm_specs(cfg.vae)))
+    return {prefix + key: spec for prefix, part in parts for key, spec in part.items()}
 
 
 def param_count(specs: dict[str, TensorSpec]) -> int:
     return sum(spec.numel for spec in specs.values())
 
 
-def diffusers_unet_config(size: str) -> dict:
-    """``UNet2DConditionModel(**kwargs)`` matching the UNet of ``size``."""
-    cfg = checkpoint_config(size)
+# diffusers' text_time embedding (SDXL) takes the y vector as pooled text followed by this many size
+# and crop numbers (original height and width, crop top and left, target height and width), each
+# embedded to addition_time_embed_dim.
+_TEXT_TIME_IDS = 6
+
+
+def _transformer_layers_per_block(unet: UNetConfig) -> int | list[int]:
+    """diffusers' ``transformer_layers_per_block``: one number where every attention level and the
+    middle have the same depth (SD1.5, as diffusers reads LDM configs), else one per level (SDXL),
+    and then diffusers gives the middle block the last level's depth."""
+    depths = {depth for depth in unet.transformer_depth if depth} | {unet.transformer_depth_middle}
+    if len(depths) == 1:
+        return depths.pop()
+    if unet.transformer_depth_middle != unet.transformer_depth[-1]:
+        raise ValueError(
+            f"diffusers cannot build a middle depth of {unet.transformer_depth_middle} under a last level of "
+            f"{unet.transformer_depth[-1]}"
+        )
+    return list(unet.transformer_depth)
+
+
+def diffusers_unet_config(name: str) -> dict:
+    """``UNet2DConditionModel(**kwargs)`` matching the UNet of model ``name``."""
+    cfg = checkpoint_config(name)
     unet = cfg.unet
     levels = range(len(unet.channel_mult))
-    return {
+    widths = [unet.model_channels * mult for mult in unet.channel_mult]
+    config = {
         "sample_size": cfg.image_size // cfg.vae.downscale,
         "in_channels": unet.in_channels,
         "out_channels": unet.out_channels,
         "down_block_types": [
-            "CrossAttnDownBlock2D" if level in unet.attention_levels else "DownBlock2D" for level in levels
+            "CrossAttnDownBlock2D" if unet.transformer_depth[level] else "DownBlock2D" for level in levels
         ],
         "up_block_types": [
-            "CrossAttnUpBlock2D" if level in unet.attention_levels else "UpBlock2D" for level in reversed(levels)
+            "CrossAttnUpBlock2D" if unet.output_depth[level] else "UpBlock2D" for level in reversed(levels)
         ],
-        "block_out_channels": [unet.model_channels * mult for mult in unet.channel_mult],
+        "block_out_channels": widths,
         "layers_per_block": unet.num_res_blocks,
         "cross_attention_dim": unet.context_dim,
-        # diffusers' legacy name: for SD1.x "attention_head_dim" holds the number of heads.
-        "attention_head_dim": unet.num_heads,
-        "transformer_layers_per_block": unet.transformer_depth,
+        # diffusers' legacy name: "attention_head_dim" holds the number of heads, per level where
+        # heads come from a head width.
+        "attention_head_dim": [unet.heads(width) for width in widths] if unet.num_head_channels else unet.num_heads,
+        "transformer_layers_per_block": _transformer_layers_per_block(unet),
     }
+    if unet.use_linear_in_transformer:
+        config["use_linear_projection"] = True
+    if unet.output_depth != unet.transformer_depth:
+        config["reverse_transformer_layers_per_block"] = [
+            [unet.output_depth[level]] * (unet.num_res_blocks + 1) for level in reversed(levels)
+        ]
+    if unet.adm_in_channels:
+        pooled = cfg.text_encoders[-1].projection_dim
+        config.update(
+            addition_embed_type="text_time",
+            addition_time_embed_dim=(unet.adm_in_channels - pooled) // _TEXT_TIME_IDS,
+            projection_class_embeddings_input_dim=unet.adm_in_channels,
+        )
+    return config
 
 
-def diffusers_vae_config(size: str) -> dict:
-    """``AutoencoderKL(**kwargs)`` matching the VAE of ``size``."""
-    cfg = checkpoint_config(size)
+def diffusers_vae_config(name: str) -> dict:
+    """``AutoencoderKL(**kwargs)`` matching the VAE of model ``name``."""
+    family, _ = resolve_model(name)
+    cfg = checkpoint_config(name)
     vae = cfg.vae
     return {
         "sample_size": cfg.image_size,
@@ -383,25 +387,29 @@ def diffusers_vae_config(size: str) -> dict:
         "block_out_channels": [vae.ch * mult for mult in vae.ch_mult],
         "layers_per_block": vae.num_res_blocks,
         "latent_channels": vae.z_channels,
-        "scaling_factor": vae.scaling_factor,
+        "scaling_factor": family.latent.scale,
     }
 
 
-def transformers_clip_text_config(size: str) -> dict:
-    """``CLIPTextConfig(**kwargs)`` matching the text encoder of ``size``."""
-    text = checkpoint_config(size).text_encoder
-    return {
+def transformers_clip_text_config(name: str, index: int = 0) -> dict:
+    """``CLIPTextConfig(**kwargs)`` matching text encoder ``index`` of model ``name`` (SDXL: 0 is
+    CLIP-L for ``CLIPTextModel``, 1 is CLIP-G for ``CLIPTextModelWithProjection``)."""
+    text = checkpoint_config(name).text_encoders[index]
+    config = {
         "vocab_size": text.vocab_size,
         "max_position_embeddings": text.max_position_embeddings,
         "hidden_size": text.hidden_size,
         "intermediate_size": text.intermediate_size,
         "num_hidden_layers": text.num_hidden_layers,
         "num_attention_heads": text.num_attention_heads,
-        # As in ComfyUI's sd1_clip_config.json (openai/clip-vit-large-patch14).
-        "hidden_act": "quick_gelu",
+        "hidden_act": text.hidden_act,
+        # As in ComfyUI's sd1_clip_config.json and clip_config_bigg.json.
         "layer_norm_eps": 1e-5,
         "eos_token_id": 49407,
     }
+    if text.projection_dim:
+        config["projection_dim"] = text.projection_dim
+    return config
 
 
 def generate_tensor(key: str, spec: TensorSpec, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -419,7 +427,7 @@ def generate_tensor(key: str, spec: TensorSpec, seed: int, dtype: torch.dtype = 
 @dataclass(frozen=True)
 class CheckpointSummary:
     path: Path
-    size: str
+    model: str
     seed: int
     dtype: str
     tensor_count: int
@@ -458,9 +466,10 @@ def _safetensors_header(specs: dict[str, TensorSpec], dtype: torch.dtype, metada
 
 
 def write_checkpoint(
-    size: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "fp16", progress: bool = False
+    name: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "fp16", progress: bool = False
 ) -> CheckpointSummary:
-    """Write the ``size`` checkpoint to ``out`` (a .safetensors file) and describe it.
+    """Write the checkpoint of model ``name`` (one of ``MODEL_NAMES``) to ``out`` (a .safetensors
+    file) and describe it.
 
     Tensors are generated and streamed one at a time, so peak memory is one tensor,
     not the model. The file appears only when complete: it is written under a temporary
@@ -468,11 +477,12 @@ def write_checkpoint(
     """
     if dtype not in CHECKPOINT_DTYPES:
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
-    # Sorted like safetensors' own writer, so the bytes on disk depend on nothing but (size, seed, dtype).
-    specs = dict(sorted(checkpoint_specs(size).items()))
+    # Sorted like safetensors' own writer, so the bytes on disk depend on nothing but (name, seed, dtype).
+    specs = dict(sorted(checkpoint_specs(name).items()))
     path = _checked_out_path(out)
     torch_dtype = DTYPES[dtype]
-    metadata = {"format": "pt", "sdopt_size": size, "sdopt_seed": str(seed), "sdopt_dtype": dtype}
+    # sdopt_size holds the model name (SD1.5's are its bare sizes, so their files stay as they were).
+    metadata = {"format": "pt", "sdopt_size": name, "sdopt_seed": str(seed), "sdopt_dtype": dtype}
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -485,7 +495,7 @@ def write_checkpoint(
     try:
         with os.fdopen(descriptor, "wb") as file:
             file.write(_safetensors_header(specs, torch_dtype, metadata))
-            tensors = tqdm(specs.items(), desc=f"sdopt {size} checkpoint", unit="tensor", disable=not progress)
+            tensors = tqdm(specs.items(), desc=f"sdopt {name} checkpoint", unit="tensor", disable=not progress)
             for key, spec in tensors:
                 file.write(generate_tensor(key, spec, seed, torch_dtype).numpy())
             file.flush()
@@ -500,7 +510,7 @@ def write_checkpoint(
 
     return CheckpointSummary(
         path=path,
-        size=size,
+        model=name,
         seed=seed,
         dtype=dtype,
         tensor_count=len(specs),

@@ -14,14 +14,10 @@ from diffusers.loaders.single_file_utils import (
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from sdopt.tools import cli
 from sdopt.errors import UserError
-from sdopt.tools import modelgen
+from sdopt.families import FAMILIES, UNET_PREFIX, VAE_PREFIX, checkpoint_config
+from sdopt.tools import cli, modelgen
 from sdopt.tools.modelgen import (
-    TEXT_ENCODER_PREFIX,
-    UNET_PREFIX,
-    VAE_PREFIX,
-    checkpoint_config,
     checkpoint_specs,
     clip_text_specs,
     diffusers_unet_config,
@@ -33,6 +29,7 @@ from sdopt.tools.modelgen import (
     write_checkpoint,
 )
 
+TEXT_ENCODER_PREFIX = FAMILIES["sd15"].sizes["full"].text_encoders[0].prefix
 # ComfyUI 0.3.64's own SD1.5 classes give these (docs: comfyui-host-notes.md, section I).
 SD15_TENSORS_AND_PARAMS = {
     UNET_PREFIX: (686, 859_520_964),
@@ -59,17 +56,17 @@ def _ldm_original_config(size: str) -> dict:
     return {
         "model": {
             "params": {
-                "scale_factor": vae.scaling_factor,
+                "scale_factor": FAMILIES["sd15"].latent.scale,
                 "unet_config": {
                     "params": {
                         "in_channels": unet.in_channels,
                         "out_channels": unet.out_channels,
                         "model_channels": unet.model_channels,
-                        "attention_resolutions": [2**level for level in unet.attention_levels],
+                        "attention_resolutions": [2**level for level, depth in enumerate(unet.transformer_depth) if depth],
                         "num_res_blocks": unet.num_res_blocks,
                         "channel_mult": list(unet.channel_mult),
                         "num_heads": unet.num_heads,
-                        "transformer_depth": unet.transformer_depth,
+                        "transformer_depth": 1,
                         "context_dim": unet.context_dim,
                         "use_linear_in_transformer": False,
                     }
@@ -227,7 +224,8 @@ def test_mini_manifest_is_detected_as_sd15_with_full_text_encoder_and_vae():
     assert unet["input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight"].shape == (320, 768)
     assert len(unet["input_blocks.1.1.proj_in.weight"].shape) == 4
     assert "label_emb.0.0.weight" not in unet
-    assert clip_text_specs(mini.text_encoder) == clip_text_specs(full.text_encoder)
+    assert mini.text_encoders == full.text_encoders
+    assert clip_text_specs(mini.text_encoders[0]) == clip_text_specs(full.text_encoders[0])
     assert vae_ldm_specs(mini.vae) == vae_ldm_specs(full.vae)
 
 
@@ -258,7 +256,7 @@ def test_bad_arguments_raise_user_error(tmp_path):
         write_checkpoint("tiny", tmp_path)
     with pytest.raises(UserError, match=r"\.safetensors"):
         write_checkpoint("tiny", tmp_path / "model.ckpt")
-    with pytest.raises(UserError, match="size"):
+    with pytest.raises(UserError, match="unknown model 'huge'"):
         write_checkpoint("huge", tmp_path / "model.safetensors")
     with pytest.raises(UserError, match="dtype"):
         write_checkpoint("tiny", tmp_path / "model.safetensors", dtype="int8")
