@@ -8,6 +8,8 @@ PY := $(SDOPT_HOME)/venv/bin/python
 COMFY = $(shell cat $(SDOPT_HOME)/comfyui-path)
 MODELS := $(abspath $(SDOPT_HOME)/models)
 MINI := $(MODELS)/checkpoints/sdopt-mini-sd15.safetensors
+# The sdxl workflows and the SDXL host tests load this one (2 GB, about a minute to write).
+MINI_SDXL := $(MODELS)/checkpoints/sdopt-mini-sdxl.safetensors
 PORT ?= 8188
 # Small enough for a CPU; `make demo DEMO_SET=` runs the workflow as saved (512x512, 20 steps).
 DEMO_SET ?= --set KSampler.steps=4 --set EmptyLatentImage.width=256 --set EmptyLatentImage.height=256
@@ -24,13 +26,16 @@ comfyui: $(SDOPT_HOME)/comfyui-path
 $(MINI): | comfyui
 	$(PY) -m sdopt make-model mini --out $@
 
-test: comfyui $(MINI)
+$(MINI_SDXL): | comfyui
+	$(PY) -m sdopt make-model sdxl-mini --out $@
+
+test: comfyui $(MINI) $(MINI_SDXL)
 	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest
 
 demo: comfyui $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
 
-serve: comfyui $(MINI)
+serve: comfyui $(MINI) $(MINI_SDXL)
 	$(PY) -m sdopt serve --comfyui $(COMFY) --models $(MODELS) --port $(PORT)
 
 clean:

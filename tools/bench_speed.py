@@ -20,6 +20,10 @@ With ``profile``, each rung then samples one more prompt under torch.profiler
 (``measure.step_profile``): the device's busy time per step set beside the steady step time says
 whether the device or the host bounds the step, with the host syncs and the costliest kernels;
 ``trace_dir`` keeps each of those prompts as a Perfetto trace.
+
+``model`` is a generated model (``mini``, ``sdxl-mini``, ...) or a checkpoint file. The prompt is
+encoded with the image size beside it, as ComfyUI's CLIPTextEncodeSDXL does: a family whose
+diffusion model takes a size vector (SDXL's ``y``) embeds it, the others ignore it.
 """
 from __future__ import annotations
 
@@ -172,6 +176,23 @@ def _sampling_spanned(model):
     return clone
 
 
+def encode_prompts(clip, size: int) -> tuple:
+    """(positive, negative) conditioning of ``PROMPT`` and the empty prompt for a ``size``² image,
+    uncropped, as CLIPTextEncodeSDXL gives it."""
+    import node_helpers
+    import nodes
+
+    encode = nodes.CLIPTextEncode().encode
+    sizes = {"width": size, "height": size, "crop_w": 0, "crop_h": 0, "target_width": size, "target_height": size}
+    return tuple(node_helpers.conditioning_set_values(encode(clip, text)[0], sizes) for text in (PROMPT, ""))
+
+
+def empty_latent(model, size: int) -> dict:
+    """The latent an EmptyLatentImage of ``size``² gives ``model``'s family."""
+    channels = model.model.latent_format.latent_channels
+    return {"samples": torch.zeros(1, channels, size // 8, size // 8)}
+
+
 def profiled_sample(host, model, label: str, latent: dict, conds, steps: int):
     """(latent, the profiler's run, seconds from call to return) of one KSampler prompt."""
     import nodes
@@ -229,13 +250,11 @@ def bench_speed(
     profile = profile or trace_dir is not None
     host = boot(comfyui, vram_cap)
     import comfy.sd
-    import nodes
 
     path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
     base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
-    encode = nodes.CLIPTextEncode().encode
-    conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
-    latent = {"samples": torch.zeros(1, 4, size // 8, size // 8)}
+    conds = encode_prompts(clip, size)
+    latent = empty_latent(base, size)
     built = _sdopt_rungs(host, base, names)
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
     twins = {rung.eager: rung.eager_model for rung in built.values() if rung.eager and rung.eager not in built}

@@ -88,6 +88,7 @@ def _bench_unet(args: argparse.Namespace) -> None:
         repeats=args.repeats,
         models=args.models,
         vram_cap=_vram_cap(args),
+        low_memory_mb=args.low_memory,
     )
     _print_rows(unet_table(rows), rows, args.json)
 
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     unet.add_argument("--resolution", type=int, default=512, help="image side in pixels (latent is 1/8)")
     unet.add_argument("--batch", type=int, default=2, help="2 = one cond+uncond sampler step")
     unet.add_argument("--repeats", type=int, default=3)
+    unet.add_argument("--low-memory", type=int, default=0, metavar="MIB",
+                      help="one more row: the fp32 model through SDOptLowMemory at this budget, its working peak and error against fp32's (0 = none)")
     _add_comfyui_bench_options(unet)
     unet.set_defaults(handler=_bench_unet)
     speed = bench_kinds.add_parser(
@@ -297,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="predict each stage's peak memory (fake tensors, nothing runs) and the settings that fit a budget"
     )
-    plan.add_argument("--model", default="mini", help="mini, full or an SD1.5 .safetensors file (its architecture)")
+    plan.add_argument("--model", help=(
+        f"a generated model ({', '.join(MODEL_NAMES)}) or a .safetensors file of one of their architectures; default mini; "
+        "with --check, only that model's cases"))
     plan.add_argument("--width", type=int, default=512, help="image width in pixels, a multiple of 64")
     plan.add_argument("--height", type=int, default=512, help="image height in pixels, a multiple of 64")
     plan.add_argument("--budget", default="8GiB", help="memory budget, e.g. 8GiB, 2048MiB, 512MB")
@@ -306,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-search", action="store_true", help="skip the search for the largest square that fits")
     plan.add_argument("--json", type=Path, help="write the plan as JSON")
     plan.add_argument("--check", action="store_true", help=(
-        "instead of a plan: the predicted peaks of the CPU accuracy cases (VAE decode 512-2048, mini UNet step "
-        "512 and 1024) against real runs, each in a fresh process"))
+        "instead of a plan: the predicted peaks of the CPU accuracy cases (full VAE decode 512-2048, mini UNet step "
+        "512 and 1024, sdxl-mini UNet step 512-2048) against real runs, each in a fresh process"))
     plan.add_argument("--repeats", type=int, default=3, help="--check: fresh processes per case (the median counts)")
     plan.add_argument("--max-size", type=int, default=2048, help="--check: leave out larger cases (the untiled 2048 decode needs 16 GiB)")
     plan.set_defaults(handler=_plan)
@@ -337,9 +342,13 @@ def _add_vram_cap(parser: argparse.ArgumentParser) -> None:
         "emulate a smaller GPU, e.g. 8GiB: PyTorch and ComfyUI's model loading keep within it (CUDA only; ignored on a CPU)"))
 
 
+# The generated models ComfyUI loads (the tiny ones are for unit tests only).
+_COMFYUI_MODELS = tuple(name for name in MODEL_NAMES if resolve_model(name)[1] != "tiny")
+
+
 def _add_comfyui_bench_options(parser: argparse.ArgumentParser) -> None:
     """The options of every bench that runs inside ComfyUI."""
-    parser.add_argument("--model", default="mini", help=f"{', '.join(SIZES)} (generated once) or a checkpoint file")
+    parser.add_argument("--model", default="mini", help=f"{', '.join(_COMFYUI_MODELS)} (generated once) or a checkpoint file")
     parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     parser.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON")

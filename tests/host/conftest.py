@@ -1,7 +1,12 @@
 """Host tier: real ComfyUI from $COMFYUI_PATH, booted once per session with sdopt loaded.
 
-Skipped, with the reason shown, when COMFYUI_PATH is unset (CI always sets it). The mini
-checkpoint is generated once into $SDOPT_TEST_MODELS (default: a session temp folder).
+Skipped, with the reason shown, when COMFYUI_PATH is unset (CI always sets it). Each family's mini
+checkpoint (``sdopt-mini-sd15.safetensors``, ``sdopt-mini-sdxl.safetensors``) is generated once into
+$SDOPT_TEST_MODELS (default: a session temp folder), the SDXL one when a test first asks for it.
+
+``comfy_host`` is SD1.5's; ``comfy_host.family("sdxl")`` is the same host on the SDXL mini, with the
+same helpers (``load_checkpoint``, ``sample``, ``checkpoint``). A test that takes ``family_host`` runs
+once per family; ``sdxl_checkpoint`` is the SDXL file's path, for workflows and benches.
 
 ComfyUI imports the pack under a module name of its own, so module state (the prompt logs in
 ``nodes.glue``, the profiler's active run, the report node's last figures, the ``UserError``
@@ -19,8 +24,9 @@ import pytest
 import torch
 
 from sdopt.errors import UserError
+from sdopt.families import FAMILIES, Family
 
-CHECKPOINT = "sdopt-mini-sd15.safetensors"
+HOST_FAMILIES = ("sd15", "sdxl")
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 # The plain sampling run that node tests compare patched clones on: 2 euler steps at 64x64.
 STEPS, SIZE, SEED, CFG = 2, 64, 42, 7.0
@@ -36,17 +42,38 @@ FP32_PRECISION_ATTENTION = [
 ]
 
 
+def _mini_checkpoint(models: Path, family: Family) -> Path:
+    """``family``'s mini checkpoint in ``models``, generated (seed 0, fp16) where it is missing."""
+    from sdopt.tools.modelgen import write_checkpoint
+
+    checkpoint = models / family.checkpoint_filename("mini")
+    if not checkpoint.exists():
+        write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False)
+    return checkpoint
+
+
 class ComfyHostFixture:
-    """The booted ComfyUI host plus the generated mini checkpoint, and the helpers host tests share
-    (test modules cannot import conftest under ``--import-mode=importlib``)."""
+    """The booted ComfyUI host plus one family's generated mini checkpoint, and the helpers host tests
+    share (test modules cannot import conftest under ``--import-mode=importlib``). ``family(name)``
+    gives the same host on another family's mini checkpoint."""
 
     WORKFLOWS = WORKFLOWS
     SMALL = SMALL
     FP32_PRECISION_ATTENTION = FP32_PRECISION_ATTENTION
 
-    def __init__(self, host, checkpoint: Path):
+    def __init__(self, host, checkpoint: Path, model_family: Family, views: dict | None = None):
         self.host = host
         self.checkpoint = checkpoint
+        self.model_family = model_family
+        # One fixture per family for the whole session, so each checkpoint loads (and encodes) once.
+        self._views = views if views is not None else {model_family.name: self}
+
+    def family(self, name: str) -> "ComfyHostFixture":
+        """This host on family ``name``'s mini checkpoint (``"sd15"``, ``"sdxl"``), generated on first use."""
+        if name not in self._views:
+            family = FAMILIES[name]
+            self._views[name] = ComfyHostFixture(self.host, _mini_checkpoint(self.models, family), family, self._views)
+        return self._views[name]
 
     @property
     def nodes(self) -> dict:
@@ -58,15 +85,12 @@ class ComfyHostFixture:
 
     @cached_property
     def _loaded(self):
-        import comfy.sd
+        import nodes
 
-        model, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(
-            str(self.checkpoint), output_vae=True, output_clip=True
-        )
-        return model, clip, vae
+        return tuple(nodes.CheckpointLoaderSimple().load_checkpoint(self.checkpoint.name))
 
     def load_checkpoint(self):
-        """(model, clip, vae) of the mini checkpoint, loaded once and shared like ComfyUI's cache does."""
+        """(model, clip, vae) of this family's mini checkpoint, loaded once and shared like ComfyUI's cache does."""
         return self._loaded
 
     def pack(self, name: str):
@@ -86,10 +110,12 @@ class ComfyHostFixture:
         return encode(clip, PROMPT)[0], encode(clip, "")[0]
 
     def sample(self, model) -> torch.Tensor:
-        """The latent of ComfyUI's own KSampler path for ``model``, with fixed settings."""
+        """The latent of ComfyUI's own KSampler path for ``model``, with fixed settings (SDXL's size
+        conditioning comes from ComfyUI's defaults for a bare text encode)."""
         import nodes
 
-        latent = {"samples": torch.zeros(1, 4, SIZE // 8, SIZE // 8)}
+        side = SIZE // 8
+        latent = {"samples": torch.zeros(1, self.model_family.latent.channels, side, side)}
         positive, negative = self._conds
         return nodes.common_ksampler(model, SEED, STEPS, CFG, "euler", "normal", positive, negative, latent)[0]["samples"]
 
@@ -126,20 +152,29 @@ def comfy_host(tmp_path_factory):
     if not path:
         pytest.skip("host tier: COMFYUI_PATH is not set (point it at a ComfyUI checkout to run these)")
     from sdopt.tools.headless import boot
-    from sdopt.tools.modelgen import write_checkpoint
 
     os.environ.setdefault("SDOPT_CACHE_DIR", str(tmp_path_factory.mktemp("compile-cache")))
     models = Path(os.environ.get("SDOPT_TEST_MODELS") or tmp_path_factory.mktemp("models"))
-    checkpoint = models / CHECKPOINT
-    if not checkpoint.exists():
-        write_checkpoint("mini", checkpoint, seed=0, dtype="fp16", progress=False)
+    checkpoint = _mini_checkpoint(models, FAMILIES["sd15"])
     try:
         host = boot(path)
     except UserError as error:
         pytest.fail(f"COMFYUI_PATH is set but unusable: {error}")
     host.add_models_folder(models)
     host.set_output_folder(tmp_path_factory.mktemp("output"))
-    return ComfyHostFixture(host, checkpoint)
+    return ComfyHostFixture(host, checkpoint, FAMILIES["sd15"])
+
+
+@pytest.fixture(params=HOST_FAMILIES)
+def family_host(request, comfy_host):
+    """``comfy_host`` on each family's mini checkpoint in turn: a test that takes it runs once per family."""
+    return comfy_host.family(request.param)
+
+
+@pytest.fixture(scope="session")
+def sdxl_checkpoint(comfy_host) -> Path:
+    """The SDXL mini checkpoint in the host's models folder (``sdopt-mini-sdxl.safetensors``)."""
+    return comfy_host.family("sdxl").checkpoint
 
 
 @pytest.fixture

@@ -1,0 +1,82 @@
+"""tools.modelgen in the real ComfyUI: each family's mini checkpoint is detected as its family, loads
+every key (UNet, text encoders, VAE) with none missing or left over, samples, and the SDXL VAE
+overflows fp16 as the real one does."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from safetensors import safe_open
+
+from sdopt.families import UNET_PREFIX, VAE_PREFIX, family_of_config_class
+
+# What ComfyUI builds but SD1.5 and SDXL files, real ones included, never carry, and so filters from
+# its "clip missing" warning (comfy/sd.py): CLIP-L's projection and temperature.
+CLIP_UNSET = {"clip_l.logit_scale", "clip_l.transformer.text_projection.weight"}
+
+
+def _file_shapes(path) -> dict[str, list[int]]:
+    with safe_open(str(path), "pt") as file:
+        return {key: file.get_slice(key).get_shape() for key in file.keys()}
+
+
+def _strip(keys, prefix: str) -> set[str]:
+    return {key[len(prefix):] for key in keys if key.startswith(prefix)}
+
+
+def test_checkpoint_loader_detects_the_family(family_host):
+    import comfy.model_base
+    import comfy.supported_models
+
+    model = family_host.load_checkpoint()[0]
+    config = model.model.model_config
+    assert family_of_config_class(type(config)) is family_host.model_family
+    if family_host.model_family.name == "sdxl":
+        assert isinstance(config, comfy.supported_models.SDXL)
+        assert isinstance(model.model, comfy.model_base.SDXL)
+
+
+def test_every_key_of_the_file_is_loaded_and_nothing_is_missing(family_host):
+    model, clip, vae = family_host.load_checkpoint()
+    shapes = _file_shapes(family_host.checkpoint)
+    assert set(model.model.diffusion_model.state_dict()) == _strip(shapes, UNET_PREFIX)
+    assert set(vae.first_stage_model.state_dict()) == _strip(shapes, VAE_PREFIX)
+
+    # ComfyUI's own conversion of the file's text encoder keys (on meta tensors: OpenCLIP's fused
+    # q/k/v are split by slicing), against the modules it built.
+    text = {
+        key: torch.empty(shape, device="meta")
+        for key, shape in shapes.items()
+        if not key.startswith((UNET_PREFIX, VAE_PREFIX))
+    }
+    converted = model.model.model_config.process_clip_state_dict(text)
+    built = clip.cond_stage_model.state_dict()
+    assert set(converted) <= set(built)
+    assert set(built) - set(converted) <= CLIP_UNSET
+    assert {key: value.shape for key, value in converted.items()} == {key: built[key].shape for key in converted}
+
+
+def test_sdxl_conditioning_and_sampling(comfy_host):
+    import nodes
+
+    sdxl = comfy_host.family("sdxl")
+    clip = sdxl.load_checkpoint()[1]
+    (cond, extra), = nodes.CLIPTextEncode().encode(clip, "a lighthouse on a cliff")[0]
+    assert cond.shape == (1, 77, 768 + 1280)  # CLIP-L and CLIP-G hidden states side by side
+    assert extra["pooled_output"].shape == (1, 1280)
+    latent = sdxl.sample(sdxl.load_checkpoint()[0])
+    assert latent.shape == (1, 4, 8, 8)
+    assert torch.isfinite(latent).all()
+
+
+def test_sdxl_vae_overflows_fp16_but_not_fp32(comfy_host):
+    vae = comfy_host.family("sdxl").load_checkpoint()[2]
+    # A 2x2 latent (16 px) keeps the fp16 decode, slow on a CPU, to seconds; the overflow sits in the
+    # decoder's middle block, at latent resolution.
+    latent = torch.randn(1, 4, 2, 2, generator=torch.Generator().manual_seed(0))
+    decoder = vae.first_stage_model
+    with torch.no_grad():
+        full = decoder.decode(latent.to(next(decoder.parameters()).dtype))
+        half = copy.deepcopy(decoder).half().decode(latent.half())
+    assert torch.isfinite(full).all()
+    assert not torch.isfinite(half).all()
