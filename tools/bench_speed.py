@@ -4,8 +4,10 @@ One process, one booted ComfyUI, one checkpoint. Every rung is a MODEL built by 
 would wire (each sdopt rung adds one node to the one before: precision auto, attention, then a
 trace, compile, CUDA graph or compile + graph), plus ComfyUI's own TorchCompileModel as the
 competitor. ``compile+graph+channels_last`` (by ``rungs`` only: it compiles anew) is compile + graph
-over Precision with channels-last conv weights. Each is profiled by SDOptProfiler and sampled by
-``common_ksampler``:
+over Precision with channels-last conv weights. ``diffusers`` and ``diffusers+compile`` (by ``rungs``
+only) are what a user would pick instead: diffusers' own UNet and pipeline on the same checkpoint's
+weights, prompts and noise, with diffusers' speed recipe (``tools/diffusers_pipeline.py``). Each
+ComfyUI rung is profiled by SDOptProfiler and sampled by ``common_ksampler``:
 
 1. a warm-up prompt per rung, whose extra time over its median steady prompt is its compile/capture
    time (the same measure for sdopt's rungs and for TorchCompileModel);
@@ -27,6 +29,7 @@ diffusion model takes a size vector (SDXL's ``y``) embeds it, the others ignore 
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import uuid
@@ -47,7 +50,10 @@ SEED, CFG, SAMPLER, SCHEDULER = 42, 7.0, "euler", "normal"
 STOCK = "stock"
 RUNGS = ("stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", "TorchCompileModel")
 CHANNELS_LAST = "compile+graph+channels_last"
-OFFERED_RUNGS = RUNGS + (CHANNELS_LAST,)  # the extra rung compiles anew: asked for by --rungs only
+DIFFUSERS, DIFFUSERS_COMPILE = "diffusers", "diffusers+compile"
+# Asked for by --rungs only: the channels-last rung compiles anew; the diffusers rungs run diffusers' own
+# UNet and pipeline on the same checkpoint's weights (tools/diffusers_pipeline.py), the competitor recipe.
+OFFERED_RUNGS = RUNGS + (CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE)
 SAMPLING_SPAN = "sdopt.bench: sampler"
 CHANNELS_LAST_EAGER = "attention+channels_last"
 
@@ -82,6 +88,7 @@ class Rung:
     nodes: str
     eager: str = ""  # the eager twin whose image this rung's must match; "" for a rung that is eager itself
     eager_model: object = None
+    sample: object = None  # a DiffusersSampler that samples instead of ComfyUI's KSampler; model is then the ComfyUI model whose latent format it shares
 
 
 @dataclass
@@ -210,6 +217,38 @@ def profiled_sample(host, model, label: str, latent: dict, conds, steps: int):
     return out, run, wall
 
 
+def _diffusers_rungs(base, path: Path, model: str, names: list[str]) -> dict[str, Rung]:
+    """diffusers' recipe on the checkpoint's weights and ComfyUI's noise schedule; one UNet for both rungs,
+    and the compiled rung's eager twin is the plain one."""
+    if not names:
+        return {}
+    from .diffusers_pipeline import NoiseSchedule, build_samplers
+
+    sampling = base.get_model_object("model_sampling")
+    schedule = NoiseSchedule(sampling.num_timesteps, sampling.linear_start, sampling.linear_end)
+    samplers = build_samplers(path, model, base.load_device, schedule, tuple(name == DIFFUSERS_COMPILE for name in names))
+    return {name: Rung(base, f"diffusers UNet2DConditionModel and {type(sampler.pipeline).__name__}, the checkpoint's weights",
+                       DIFFUSERS if name == DIFFUSERS_COMPILE else "", sample=sampler)
+            for name, sampler in zip(names, samplers)}
+
+
+def sample_rung(host, rung: Rung, label: str, latent: dict, conds, steps: int, spanned: bool = False):
+    """``profiled_sample`` for a ComfyUI rung; for a diffusers rung, its pipeline on the same prompts'
+    embeddings and KSampler's noise, the latent brought into ComfyUI's LATENT space by the model's latent
+    format. ``spanned``: the sampler run is one ``SAMPLING_SPAN`` range, for the step profile."""
+    if rung.sample is None:
+        return profiled_sample(host, _sampling_spanned(rung.model) if spanned else rung.model, label, latent, conds, steps)
+    import comfy.sample
+
+    def embeds(cond):
+        return {"embeds": cond[0][0], "pooled": cond[0][1].get("pooled_output")}
+
+    noise = comfy.sample.prepare_noise(latent["samples"], SEED)
+    with torch.profiler.record_function(SAMPLING_SPAN) if spanned else contextlib.nullcontext():
+        latents, run, wall = rung.sample.sample(embeds(conds[0]), embeds(conds[1]), noise, steps, CFG)
+    return rung.model.model.latent_format.process_out(latents), run, wall
+
+
 def timed_decode(vae, samples) -> tuple[torch.Tensor, float]:
     started = time.perf_counter()
     image = vae.decode(samples)
@@ -247,6 +286,8 @@ def bench_speed(
     if unknown:
         raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(OFFERED_RUNGS)}")
     names = [STOCK] + [r for r in rungs if r != STOCK]
+    if DIFFUSERS_COMPILE in names and DIFFUSERS not in names:  # its eager twin
+        names.insert(names.index(DIFFUSERS_COMPILE), DIFFUSERS)
     profile = profile or trace_dir is not None
     host = boot(comfyui, vram_cap)
     import comfy.sd
@@ -255,12 +296,13 @@ def bench_speed(
     base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
     conds = encode_prompts(clip, size)
     latent = empty_latent(base, size)
-    built = _sdopt_rungs(host, base, names)
+    built = _sdopt_rungs(host, base, [n for n in names if n not in (DIFFUSERS, DIFFUSERS_COMPILE)])
+    built.update(_diffusers_rungs(base, path, model, [n for n in names if n in (DIFFUSERS, DIFFUSERS_COMPILE)]))
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
     twins = {rung.eager: rung.eager_model for rung in built.values() if rung.eager and rung.eager not in built}
     bar = tqdm(total=len(names) * (rounds + 1 + profile) + len(twins), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
     for name in names:
-        samples, run, wall = profiled_sample(host, built[name].model, name, latent, conds, steps)
+        samples, run, wall = sample_rung(host, built[name], name, latent, conds, steps)
         first[name] = (wall, run)
         images[name] = timed_decode(vae, samples)[0]
         bar.update()
@@ -269,15 +311,14 @@ def bench_speed(
         bar.update()
     for _ in range(rounds):
         for name in names:
-            samples, run, wall = profiled_sample(host, built[name].model, name, latent, conds, steps)
+            samples, run, wall = sample_rung(host, built[name], name, latent, conds, steps)
             runs[name].append((wall, run))
             decode[name] = timed_decode(vae, samples)[1]
             bar.update()
     profiles = {}
     for name in names if profile else ():
         trace = Path(trace_dir) / f"{name}.trace.json.gz" if trace_dir else None
-        spanned = _sampling_spanned(built[name].model)
-        _, activity = profile_device(lambda: profiled_sample(host, spanned, name, latent, conds, steps), base.load_device, trace, SAMPLING_SPAN)
+        _, activity = profile_device(lambda: sample_rung(host, built[name], name, latent, conds, steps, spanned=True), base.load_device, trace, SAMPLING_SPAN)
         profiles[name] = activity.per_step(steps, 1 / statistics.median(r["steady_it_per_s"] for _, r in runs[name]))
         bar.update()
     bar.close()
@@ -356,7 +397,8 @@ def save_plot(rows: list[SpeedRow], path: Path) -> str | None:
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(rows)))
     names = [r.rung for r in rows][::-1]
     rates = [r.steady_it_per_s for r in rows][::-1]
-    bars = ax.barh(names, rates, color=["#999" if n in (STOCK, "TorchCompileModel") else "#2a7" for n in names])
+    competitors = (STOCK, "TorchCompileModel", DIFFUSERS, DIFFUSERS_COMPILE)
+    bars = ax.barh(names, rates, color=["#999" if n in competitors else "#2a7" for n in names])
     for bar, row in zip(bars, rows[::-1]):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {row.steady_it_per_s:.1f} it/s ({row.speedup_median:.2f}x)", va="center", fontsize=8)
     ax.set_xlabel("steady it/s in ComfyUI's KSampler (higher is better)")

@@ -121,6 +121,38 @@ def _bench_vae(args: argparse.Namespace) -> None:
     _print_rows(vae_table(rows), rows, args.json)
 
 
+def _bench_suite(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..measure.report import markdown_table
+    from .bench_suite import FAILED, TIMED_OUT, check_budget, plan_phases, run_suite, select, write_suite
+
+    phases = plan_phases(args.model, args.sdxl_model, args.dry_run, str(args.comfyui) if args.comfyui else None,
+                         str(args.models) if args.models else None)
+    check_budget(phases)
+    chosen = select(phases, args.phase)
+    if args.list:
+        rows = [[p.number, p.name, p.title, f"{p.budget_s / 60:.1f}", p.skip or "—"] for p in chosen]
+        print("\n".join(markdown_table(["phase", "name", "what", "planned min (H100)", "skipped (why)"], rows, right={0, 3})))
+        return 0
+    if args.collect:
+        write_suite(args.out)
+        print(f"wrote {args.out / 'suite.md'} and {args.out / 'suite.json'} from the phases in {args.out}")
+        return 0
+    with tqdm(total=len(chosen), desc="bench suite", unit="phase", disable=not sys.stderr.isatty()) as bar:
+        def started(phase):
+            bar.write(f"phase {phase.number} ({phase.name}): {phase.title}, {phase.budget_s / 60:.1f} min planned")
+
+        def finished(outcome):
+            bar.write(f"phase {outcome.number} ({outcome.name}): {outcome.status} in {outcome.seconds:.0f} s"
+                      + (f" ({outcome.error.splitlines()[0]})" if outcome.error else ""))
+            bar.update()
+
+        outcomes = run_suite(args.out, chosen, args.dry_run, args.archive, started=started, finished=finished)
+    print(f"wrote {args.out / 'suite.md'}" + (f" and {args.archive}" if args.archive else ""))
+    return 1 if any(o.status in (FAILED, TIMED_OUT) for o in outcomes) else 0
+
+
 def _sizes(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -264,7 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--size", type=int, default=512, help="image side in pixels")
     speed.add_argument("--steps", type=int, default=20)
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
-    speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {CHANNELS_LAST}")
+    speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=(
+        f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {CHANNELS_LAST}, and diffusers and diffusers+compile "
+        "(diffusers' own UNet and pipeline on the same weights: fp16, SDPA, channels-last, torch.compile max-autotune)"))
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
     speed.add_argument("--profile", action="store_true",
                        help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels")
@@ -296,6 +330,21 @@ def build_parser() -> argparse.ArgumentParser:
     vae.add_argument("--seed", type=int, default=0)
     vae.add_argument("--json", type=Path, help="write the rows as JSON")
     vae.set_defaults(handler=_bench_vae)
+
+    suite = bench_kinds.add_parser("suite", help=(
+        "everything a GPU must show, phase by phase, each in its own process: tests/gpu, doctor, bench speed (SD1.5 ladder, "
+        "competitors, SDXL), attention, VAE with an injected OOM retry, resolutions under 8/4/2 GiB, offload"))
+    suite.add_argument("--out", type=Path, required=True, help="folder for each phase's JSON, markdown section and plots, and suite.md")
+    suite.add_argument("--phase", type=int, action="append", help="run only this phase (repeatable; --list shows them)")
+    suite.add_argument("--model", help="the SD1.5 model of the speed, resolution and offload phases (default full; mini with --dry-run)")
+    suite.add_argument("--sdxl-model", default="sdxl-full", help="the SDXL model of the speed-sdxl phase")
+    suite.add_argument("--dry-run", action="store_true", help="the same plan at tiny sizes on a CPU, leaving out what takes minutes there")
+    suite.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    suite.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
+    suite.add_argument("--archive", type=Path, help="also keep a .tar.gz of --out, rewritten after each phase")
+    suite.add_argument("--list", action="store_true", help="print the plan (phases, planned minutes, what is skipped) and stop")
+    suite.add_argument("--collect", action="store_true", help="only rebuild suite.md and suite.json from the phase files in --out")
+    suite.set_defaults(handler=_bench_suite)
 
     plan = commands.add_parser(
         "plan", help="predict each stage's peak memory (fake tensors, nothing runs) and the settings that fit a budget"
