@@ -36,7 +36,7 @@ from ..measure.report import markdown_table
 from ..optim.precision import DTYPES
 from ..optim.tiled_vae import free_memory
 from .bench_attention import trim_heap
-from .bench_speed import PROMPT, optimization_notes, profiled_sample, timed_decode
+from .bench_speed import empty_latent, encode_prompts, optimization_notes, profiled_sample, timed_decode
 from .bench_unet import checkpoint_path
 from .bench_vae import psnr
 from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, lowmem_setting
@@ -156,7 +156,7 @@ def _run_cell(host, model, vae, memory: PeakMemory, size: int, conds, steps: int
     """(image, sampler s, decode s, peak bytes, notes) of one cell."""
     from comfy_execution.utils import CurrentNodeContext
 
-    latent = {"samples": torch.zeros(1, 4, size // 8, size // 8)}
+    latent = empty_latent(model, size)
     prompt_id = f"bench-{uuid.uuid4().hex}"
     with CurrentNodeContext(prompt_id, "1"):  # the tiled VAE files its records under this prompt
         samples, run, _ = profiled_sample(host, model, label, latent, conds, steps)
@@ -194,15 +194,13 @@ def bench_resolutions(
     host = boot(comfyui, vram_cap)
     import comfy.model_management as mm
     import comfy.sd
-    import nodes
 
     path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
     base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
     dtype_names = {dtype: name for name, dtype in DTYPES.items()}
     on_gpu = base.load_device.type == "cuda"
     planner = Planner(architecture(str(path)), dtype_names.get(base.model.get_dtype(), "fp16"), "cuda" if on_gpu else "cpu")
-    encode = nodes.CLIPTextEncode().encode
-    conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
+    conds = {size: encode_prompts(clip, size) for size in sizes}
     stacks = _stacks(host, base, vae, offload_mb)
     memory = PeakMemory(base.load_device)
     oom_errors = _oom_errors(mm)
@@ -223,7 +221,7 @@ def bench_resolutions(
             rows.append(ResolutionRow(status=PREDICTED_OOM, notes=why, **row))
             continue
         try:
-            image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[stack], memory, size, conds, steps, stack)
+            image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[stack], memory, size, conds[size], steps, stack)
         except oom_errors as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             rows.append(ResolutionRow(status=OUT_OF_MEMORY, notes=reason, **row))

@@ -1,8 +1,13 @@
-"""``python -m sdopt plan``: predicted peak memory of each SD1.5 stage and the settings that fit a budget.
+"""``python -m sdopt plan``: predicted peak memory of each stage of a model and the settings that fit a budget.
 
-The text encoder, UNet and VAE are built from ``modelgen``'s architecture (diffusers'
-``UNet2DConditionModel`` and ``AutoencoderKL``, transformers' ``CLIPTextModel``) on the meta device
-and given fake weights, so nothing is allocated and nothing runs: ``optim.memory_plan`` traces each
+The model is one that sdopt generates (``mini``, ``sdxl-mini``, ...: its family's description in
+``families/``) or the architecture of a checkpoint file among those. Its text encoders, UNet and
+VAE are built from ``modelgen``'s configs (diffusers' ``UNet2DConditionModel`` and
+``AutoencoderKL``, transformers' ``CLIPTextModel`` and, for SDXL's CLIP-G,
+``CLIPTextModelWithProjection``) on the meta device and given fake weights, so nothing is allocated
+and nothing runs. The text encode stage runs every text encoder of the family, one after the other;
+the UNet step takes the family's vector input where it has one (SDXL's ``y``: diffusers'
+``added_cond_kwargs``, the pooled text and the size and crop ids). ``optim.memory_plan`` traces each
 stage (text encode, one UNet step with CFG, VAE decode, VAE encode) at the requested size under
 each candidate setting, fastest first. A stage needs its weights resident (all three models; with
 ``model`` offload only its own; with ``sequential``, sdopt Offload's mode, the UNet step holds only
@@ -30,6 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from ..errors import UserError
+from ..families import MODEL_NAMES, checkpoint_config, resolve_model
 from ..measure.profiler import peak_rss_growth
 from ..measure.report import markdown_table
 from ..optim.lowmem import LowMemConfig
@@ -52,7 +58,7 @@ from .modelgen import (
     transformers_clip_text_config,
 )
 
-MODELS = ("mini", "full")
+MODELS = MODEL_NAMES
 TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE = "text encode", "UNet step", "VAE decode", "VAE encode"
 STAGES = (TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE)
 # none: all three models resident; model: only the running stage's (ComfyUI unloads the others when
@@ -107,9 +113,10 @@ TEXT_SETTINGS = (Setting("sdpa"),)
 SEARCH_SETTINGS = {TEXT_ENCODE: TEXT_SETTINGS[0], UNET_STEP: UNET_SETTINGS[3], VAE_DECODE: VAE_SETTINGS[-1],
                    VAE_ENCODE: VAE_SETTINGS[-1]}
 SETTINGS = {TEXT_ENCODE: TEXT_SETTINGS, UNET_STEP: UNET_SETTINGS, VAE_DECODE: VAE_SETTINGS, VAE_ENCODE: VAE_SETTINGS}
-# The planner's accuracy target (issue 9): within 20% of the measured peak RSS growth on CPU for these.
+# The planner's accuracy target (issues 9 and 16): within 20% of the measured peak RSS growth on CPU for these.
 CHECK_CASES = (("mini", UNET_STEP, 512), ("mini", UNET_STEP, 1024),
-               ("full", VAE_DECODE, 512), ("full", VAE_DECODE, 1024), ("full", VAE_DECODE, 2048))
+               ("full", VAE_DECODE, 512), ("full", VAE_DECODE, 1024), ("full", VAE_DECODE, 2048),
+               ("sdxl-mini", UNET_STEP, 512), ("sdxl-mini", UNET_STEP, 1024), ("sdxl-mini", UNET_STEP, 2048))
 _WARM_UP_SIZE = 64
 
 
@@ -166,6 +173,8 @@ def _all_weights(weights: dict[str, int]) -> int:
     return weights["text_encoder"] + weights["unet"] + weights["vae"]
 
 
+# The parts of a model; "text_encoder" stands for all of a family's text encoders.
+PARTS = ("text_encoder", "unet", "vae")
 _STAGE_MODEL = {TEXT_ENCODE: "text_encoder", UNET_STEP: "unet", VAE_DECODE: "vae", VAE_ENCODE: "vae"}
 
 
@@ -181,7 +190,8 @@ def _resident(weights: dict[str, int], stage: str, offload: str, streamed_unet_b
 
 
 def architecture(model: str) -> str:
-    """``mini`` or ``full``: the name itself, or the architecture whose keys and shapes a checkpoint file holds."""
+    """The name of a model sdopt generates (``mini``, ``sdxl-mini``, ...): ``model`` itself, or the
+    one whose UNet keys and shapes a checkpoint file holds."""
     if model in MODELS:
         return model
     path = Path(model)
@@ -194,11 +204,12 @@ def architecture(model: str) -> str:
             shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
     except Exception as error:  # safetensors raises its own types for every kind of bad file
         raise UserError(f"--model {model!r}: not a readable .safetensors checkpoint ({error})") from None
-    for size in MODELS:
-        unet = {k: spec.shape for k, spec in checkpoint_specs(size).items() if k.startswith(UNET_PREFIX)}
+    for name in MODELS:
+        unet = {k: spec.shape for k, spec in checkpoint_specs(name).items() if k.startswith(UNET_PREFIX)}
         if all(shapes.get(k) == tuple(shape) for k, shape in unet.items()):
-            return size
-    raise UserError(f"--model {model!r}: its UNet matches neither the mini nor the full SD1.5 architecture")
+            return name
+    raise UserError(f"--model {model!r}: its UNet matches none of the architectures the planner knows "
+                    f"({', '.join(MODELS)}); plan one of those by name")
 
 
 def _diffusers():
@@ -210,26 +221,50 @@ def _diffusers():
     return diffusers, transformers
 
 
-def build_modules(size: str, device: str | torch.device = "meta",
-                  names: tuple[str, ...] = ("text_encoder", "unet", "vae")) -> dict[str, torch.nn.Module]:
-    """The text encoder, UNet and VAE of ``size`` (``mini`` or ``full``), those in ``names``, on
-    ``device``: on meta, the architecture only; elsewhere with diffusers'/transformers' random
-    initialization."""
+def text_encoder_names(model: str) -> tuple[str, ...]:
+    """The modules of ``model``'s text encoders, as diffusers names them: ``text_encoder``, ``text_encoder_2``, ..."""
+    count = len(checkpoint_config(model).text_encoders)
+    return tuple("text_encoder" if index == 0 else f"text_encoder_{index + 1}" for index in range(count))
+
+
+def build_modules(model: str, device: str | torch.device = "meta", names: tuple[str, ...] = PARTS) -> dict[str, torch.nn.Module]:
+    """The parts of ``model`` named in ``names`` (``text_encoder``: every text encoder of its family,
+    under ``text_encoder_names``), on ``device``: on meta, the architecture only; elsewhere with
+    diffusers'/transformers' random initialization."""
     diffusers, transformers = _diffusers()
+
+    def text_encoder(index: int):
+        text = checkpoint_config(model).text_encoders[index]
+        config = transformers.CLIPTextConfig(**transformers_clip_text_config(model, index))
+        # An encoder with a text projection (SDXL's CLIP-G) also gives the pooled text.
+        return (transformers.CLIPTextModelWithProjection if text.projection_dim else transformers.CLIPTextModel)(config)
+
     builders = {
-        "text_encoder": lambda: transformers.CLIPTextModel(transformers.CLIPTextConfig(**transformers_clip_text_config(size))),
-        "unet": lambda: diffusers.UNet2DConditionModel(**diffusers_unet_config(size)),
-        "vae": lambda: diffusers.AutoencoderKL(**diffusers_vae_config(size)),
+        "unet": lambda: diffusers.UNet2DConditionModel(**diffusers_unet_config(model)),
+        "vae": lambda: diffusers.AutoencoderKL(**diffusers_vae_config(model)),
     }
+    for index, name in enumerate(text_encoder_names(model)):
+        builders[name] = lambda index=index: text_encoder(index)
+    wanted = [n for part in names for n in (text_encoder_names(model) if part == "text_encoder" else (part,))]
     with torch.device(device):
-        return {name: builders[name]().eval() for name in names}
+        return {name: builders[name]().eval() for name in wanted}
+
+
+def _text_encoders(modules: dict) -> list[torch.nn.Module]:
+    return [module for name, module in sorted(modules.items()) if name.startswith("text_encoder")]
 
 
 # --- stages ----------------------------------------------------------------------------------------
 
 
-def stage_call(stage: str, modules: dict, width: int, height: int, dtype: torch.dtype, make, setting: Setting = Setting("")):
-    """(function, input tensors) of one stage at ``width`` x ``height``; ``make(shape, dtype)`` makes a tensor."""
+def _pooled_text_width(model: str) -> int:
+    """The width of the pooled text in the vector input: the projection of the family's last text encoder."""
+    return checkpoint_config(model).text_encoders[-1].projection_dim
+
+
+def stage_call(model: str, stage: str, modules: dict, width: int, height: int, dtype: torch.dtype, make,
+               setting: Setting = Setting("")):
+    """(function, input tensors) of one stage of ``model`` at ``width`` x ``height``; ``make(shape, dtype)`` makes a tensor."""
     from ..optim.tiled_vae import TiledVAEConfig, tiled_decode, tiled_encode
 
     vae = modules["vae"]
@@ -239,13 +274,22 @@ def stage_call(stage: str, modules: dict, width: int, height: int, dtype: torch.
     # which fake tensors cannot answer; this over-states what the default fp16 store keeps.
     tiling = TiledVAEConfig(tile=setting.tile, budget_bytes=2**62, store_dtype=None) if setting.tile else None
     if stage == TEXT_ENCODE:
-        text = modules["text_encoder"]
-        return (lambda ids: text(ids).last_hidden_state), (make((1, PROMPT_TOKENS), torch.long),)
+        encoders = _text_encoders(modules)
+        # As ComfyUI does: each encoder in turn, their hidden states joined along the width.
+        return (lambda ids: torch.cat([encoder(ids).last_hidden_state for encoder in encoders], dim=-1)), (
+            make((1, PROMPT_TOKENS), torch.long),)
     if stage == UNET_STEP:
         unet = modules["unet"]
-        context = unet.config.cross_attention_dim
-        return (lambda x, t, c: unet(x, t, encoder_hidden_states=c).sample), (
-            make((2, *latent), dtype), make((2,), dtype), make((2, PROMPT_TOKENS, context), dtype))
+        inputs = [make((2, *latent), dtype), make((2,), dtype), make((2, PROMPT_TOKENS, unet.config.cross_attention_dim), dtype)]
+        if unet.config.addition_embed_type != "text_time":
+            return (lambda x, t, c: unet(x, t, encoder_hidden_states=c).sample), tuple(inputs)
+        # The vector input (SDXL's y) as diffusers takes it: the pooled text and the size and crop
+        # ids, each of which the UNet embeds to addition_time_embed_dim.
+        pooled = _pooled_text_width(model)
+        ids = (unet.config.projection_class_embeddings_input_dim - pooled) // unet.config.addition_time_embed_dim
+        inputs += [make((2, pooled), dtype), make((2, ids), dtype)]
+        return (lambda x, t, c, text, time_ids: unet(x, t, encoder_hidden_states=c,
+                                                     added_cond_kwargs={"text_embeds": text, "time_ids": time_ids}).sample), tuple(inputs)
     if stage == VAE_DECODE:
         if tiling:
             return (lambda z: tiled_decode(vae, z, tiling).output), (make((1, *latent), dtype),)
@@ -258,11 +302,12 @@ def stage_call(stage: str, modules: dict, width: int, height: int, dtype: torch.
 class Planner:
     """Fake-weight models of one architecture and the stage predictions made with them (cached)."""
 
-    def __init__(self, size: str, dtype: str = "fp32", workspace: str = "cpu"):
-        self.size, self.dtype_name, self.dtype, self.workspace = size, dtype, DTYPES[dtype], workspace
+    def __init__(self, model: str, dtype: str = "fp32", workspace: str = "cpu"):
+        self.model, self.dtype_name, self.dtype, self.workspace = model, dtype, DTYPES[dtype], workspace
         self.mode = fake_tensor_mode()
-        self.modules = {name: fake_module(m, self.mode, "cpu", self.dtype) for name, m in build_modules(size).items()}
-        self.weights = {name: module_bytes(m) for name, m in self.modules.items()}
+        self.modules = {name: fake_module(m, self.mode, "cpu", self.dtype) for name, m in build_modules(model).items()}
+        self.weights = {"text_encoder": sum(module_bytes(m) for m in _text_encoders(self.modules)),
+                        "unet": module_bytes(self.modules["unet"]), "vae": module_bytes(self.modules["vae"])}
         layers = [m for m in self.modules["unet"].modules() if next(m.children(), None) is None]
         self.streamed_unet_bytes = _STREAMED_LAYERS * max(module_bytes(m) for m in layers)
         self._cache: dict[tuple, StagePrediction] = {}
@@ -282,7 +327,7 @@ class Planner:
         """The tiler branches on tensor values, which fake tensors cannot answer: one tile's untiled
         peak plus the whole output, which leaves out what the tiler keeps between passes."""
         tile = self._trace(stage, VAE_SETTINGS[0], min(width, setting.tile), min(height, setting.tile))
-        fn, inputs = stage_call(stage, self.modules, width, height, self.dtype, self._make)
+        fn, inputs = stage_call(self.model, stage, self.modules, width, height, self.dtype, self._make)
         whole = self._trace(stage, VAE_SETTINGS[0], 64, 64).output_bytes * (width // 64) * (height // 64)
         return StagePrediction(stage, setting.name, max(width, height), tile.peak_bytes + whole, _bytes(inputs),
                                tile.weight_bytes, tile.peak_op, output_bytes=whole,
@@ -293,7 +338,7 @@ class Planner:
         if tiles > _TILES_TRACED:
             one, four = (self._trace(stage, setting, setting.tile * n, setting.tile * n) for n in (1, 2))
             peak = one.peak_bytes + (four.peak_bytes - one.peak_bytes) / 3 * (tiles - 1)
-            fn, inputs = stage_call(stage, self.modules, width, height, self.dtype, self._make)
+            fn, inputs = stage_call(self.model, stage, self.modules, width, height, self.dtype, self._make)
             return StagePrediction(stage, setting.name, max(width, height), int(peak), _bytes(inputs), one.weight_bytes,
                                    four.peak_op, output_bytes=one.output_bytes * int(tiles),
                                    note="extrapolated from 1x1 and 2x2 tiles")
@@ -304,7 +349,7 @@ class Planner:
         if key not in self._cache:
             config = MemoryPlanConfig(setting.config.attention, setting.config.attention_budget_bytes,
                                       setting.config.low_memory, self.workspace)
-            fn, inputs = stage_call(stage, self.modules, width, height, self.dtype, self._make, setting)
+            fn, inputs = stage_call(self.model, stage, self.modules, width, height, self.dtype, self._make, setting)
             estimate = predict_peak(fn, *inputs, config=config, mode=self.mode)
             self._cache[key] = StagePrediction(
                 stage, setting.name, max(width, height), estimate.peak_bytes,
@@ -344,8 +389,8 @@ def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str
     for name, value in (("--width", width), ("--height", height)):
         if value < 64 or value % 64:
             raise UserError(f"{name}: {value} px must be a positive multiple of 64")
-    size = architecture(model)
-    planner = Planner(size, dtype, workspace)
+    name = architecture(model)
+    planner = Planner(name, dtype, workspace)
     plan = Plan(model, width, height, dtype, budget_bytes, planner.weights, streamed_unet_bytes=planner.streamed_unet_bytes)
     plan.stock = [planner.predict(stage, SETTINGS[stage][0], width, height) for stage in STAGES]
     plan.low_memory = [planner.predict(stage, SEARCH_SETTINGS[stage], width, height) for stage in STAGES]
@@ -359,24 +404,31 @@ def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str
         plan.largest_square = largest_fitting(lambda side: planner.fits_with_search_settings(side, budget_bytes), high=SEARCH_LIMIT)
     for p in dict.fromkeys(p for p in [*plan.stock, *plan.low_memory, *plan.chosen] if p.note):
         plan.notes.append(f"{p.stage}, {p.setting}: {p.note}")
-    plan.notes.append(f"{size} SD1.5 architecture, {dtype}, kernel workspaces modelled for {workspace}; "
+    plan.notes.append(f"{name}: the {resolve_model(name)[0].title} architecture, {dtype}, kernel workspaces modelled for {workspace}; "
                       "working peaks exclude weights and inputs, totals add them")
     return plan
 
 
+DEFAULT_MODEL = "mini"
+
+
 def run_plan(args) -> None:
     """The ``plan`` command: print the tables, write the JSON with ``--json``; with ``--check``, the
-    predictions of ``CHECK_CASES`` against real runs instead."""
+    predictions of ``CHECK_CASES`` (those of ``--model`` where it is given) against real runs instead."""
     if args.check:
         if args.repeats < 1:
             raise UserError(f"--repeats must be at least 1, not {args.repeats}")
-        rows = check_predictions([case for case in CHECK_CASES if case[2] <= args.max_size], args.repeats)
+        cases = [case for case in CHECK_CASES if case[2] <= args.max_size and args.model in (None, case[0])]
+        if args.model is not None and not any(case[0] == args.model for case in CHECK_CASES):
+            raise UserError(f"--check --model {args.model!r}: the checked models are "
+                            f"{', '.join(dict.fromkeys(case[0] for case in CHECK_CASES))}")
+        rows = check_predictions(cases, args.repeats)
         print(check_table(rows))
         if args.json:
             args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=2))
         return
     budget = parse_bytes(args.budget, "--budget")
-    plan = make_plan(args.model, args.width, args.height, budget, dtype=args.dtype, workspace=args.workspace,
+    plan = make_plan(args.model or DEFAULT_MODEL, args.width, args.height, budget, dtype=args.dtype, workspace=args.workspace,
                      search=not args.no_search)
     print(plan_table(plan))
     if args.json:
@@ -416,13 +468,14 @@ def _measure_here(spec: dict) -> dict:
     """One real stage (random weights, stock settings) in this process: the growth of peak RSS while it runs."""
     torch.manual_seed(0)
     # The VAE's config gives the latent shape to every stage; nothing else is built that the stage does not run.
-    modules = build_modules(spec["model"], "cpu", tuple({_STAGE_MODEL[spec["stage"]], "vae"}))
+    model = spec["model"]
+    modules = build_modules(model, "cpu", tuple({_STAGE_MODEL[spec["stage"]], "vae"}))
     make = lambda shape, dtype: torch.randn(shape) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
     with torch.inference_mode():  # the libraries' one-time set-up belongs to the baseline
-        warm_up, warm_up_inputs = stage_call(spec["stage"], modules, _WARM_UP_SIZE, _WARM_UP_SIZE, torch.float32, make)
+        warm_up, warm_up_inputs = stage_call(model, spec["stage"], modules, _WARM_UP_SIZE, _WARM_UP_SIZE, torch.float32, make)
         warm_up(*warm_up_inputs)
     del warm_up, warm_up_inputs
-    fn, inputs = stage_call(spec["stage"], modules, spec["width"], spec["height"], torch.float32, make)
+    fn, inputs = stage_call(model, spec["stage"], modules, spec["width"], spec["height"], torch.float32, make)
     # The high-water mark of building the models and warming up is not the stage's: it is reset.
     with torch.inference_mode():
         _, _, growth = peak_rss_growth(lambda: fn(*inputs))

@@ -50,3 +50,14 @@ def test_sdopt_rows_say_what_each_node_did(bench):
 def test_heatmap_written(bench):
     _, plot = bench
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sdxl_mini_cells_run_and_the_planner_knows_the_architecture(comfy_host, sdxl_checkpoint, tmp_path):
+    out = tmp_path / "resolutions.json"
+    argv = ["bench", "resolutions", "--comfyui", str(comfy_host.host.path), "--model", str(sdxl_checkpoint),
+            "--sizes", "64", "--steps", "1", "--json", str(out)]
+    assert main(argv) == 0
+    stock, sdopt = json.loads(out.read_text())
+    assert (stock["status"], sdopt["status"]) == ("ok", "ok") and stock["model"] == "sdopt-mini-sdxl"
+    assert sdopt["psnr_vs_stock_db"] >= MIN_PSNR_DB
+    assert 0 < stock["predicted_peak_bytes"] <= stock["budget_bytes"]

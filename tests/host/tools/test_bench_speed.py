@@ -63,3 +63,11 @@ def test_cli_rejects_unknown_rungs_and_writes_json_and_plot(comfy_host, tmp_path
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["precision.trace.json.gz", "stock.trace.json.gz"]
     assert "value reads while sampling" in capsys.readouterr().out
     assert plot.stat().st_size > 1000
+
+
+def test_sdxl_mini_samples_with_its_y_vector(comfy_host, sdxl_checkpoint):
+    """SDXL's UNet refuses a call without ``y``: stock and the precision rung sampling at all is the check."""
+    rows = bench_speed(comfy_host.host.path, str(sdxl_checkpoint), size=64, steps=2, rounds=1, rungs=["precision"], progress=False)
+    assert [r.rung for r in rows] == ["stock", "precision"]
+    assert all(r.steady_it_per_s > 0 and r.decode_s > 0 for r in rows)
+    assert "SDOptPrecision" in rows[1].notes

@@ -1,14 +1,17 @@
-"""bench unet inside ComfyUI: each row is SDOptPrecision's model for one weight dtype, fp32 first as the reference."""
+"""bench unet inside ComfyUI: each row is SDOptPrecision's model for one weight dtype, fp32 first as the
+reference, then optionally the fp32 model through SDOptLowMemory; on the SD1.5 and SDXL mini checkpoints."""
 import json
 
 import pytest
 import torch
 
-from sdopt.tools.bench_unet import bench_unet
+from sdopt.tools.bench_unet import bench_unet, unet_table
 from sdopt.tools.cli import main
 
 # Relative L2 error of one UNet call in bf16 against fp32 on the mini checkpoint.
 BF16_REL_ERROR = 5e-2
+# Low Memory changes the order of float sums only (sequential CFG, chunked ops, sub-quadratic attention).
+LOW_MEMORY_REL_ERROR = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +52,16 @@ def test_cli_writes_json(comfy_host, tmp_path, capsys):
 def test_bad_resolution_is_a_user_error(comfy_host, capsys):
     assert main(["bench", "unet", "--comfyui", str(comfy_host.host.path), "--resolution", "72"]) == 2
     assert "--resolution must be a multiple of 64" in capsys.readouterr().err
+
+
+def test_sdxl_mini_rows_and_low_memory_equal_fp32(comfy_host, sdxl_checkpoint):
+    """The SDXL UNet gets its ``y`` vector (it raises without one); Low Memory's row keeps to fp32's output."""
+    rows = bench_unet(comfy_host.host.path, str(sdxl_checkpoint), ["bf16"], resolution=64, batch=2, repeats=1,
+                      progress=False, low_memory_mb=1)
+    assert [(r.weight_dtype, r.low_memory_mb) for r in rows] == [("fp32", 0), ("bf16", 0), ("fp32", 1)]
+    fp32, bf16, low_memory = rows
+    assert 0 < bf16.rel_error_vs_fp32 < BF16_REL_ERROR
+    assert "budget 1 MiB" in low_memory.active and "sequential cfg" in low_memory.active
+    assert low_memory.rel_error_vs_fp32 < LOW_MEMORY_REL_ERROR
+    assert all(r.model == "sdopt-mini-sdxl" and r.working_peak_bytes is not None for r in rows)
+    assert "| sdopt-mini-sdxl | fp32 | 1 MiB |" in unet_table(rows)

@@ -1,5 +1,6 @@
-"""``python -m sdopt plan``: input errors as one line, a plan for mini at 512, and the predicted VAE
-decode peak at 512 against the peak RSS growth of a real decode in a fresh process."""
+"""``python -m sdopt plan``: input errors as one line, a plan for mini at 512, the predicted VAE
+decode peak at 512 against the peak RSS growth of a real decode in a fresh process, and SDXL: two
+text encoders, the UNet's ``y`` vector (diffusers' added_cond_kwargs) and its checkpoints' architecture."""
 import json
 
 import pytest
@@ -10,8 +11,19 @@ from sdopt.tools.cli import main
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-from sdopt.optim.memory_plan import fake_module, fake_tensor, fake_tensor_mode, predict_peak  # noqa: E402
-from sdopt.tools.plan import SETTINGS, UNET_STEP, VAE_DECODE, Planner, architecture, build_modules, measure_stage, stage_call  # noqa: E402
+from sdopt.optim.memory_plan import fake_module, fake_tensor, fake_tensor_mode, module_bytes, predict_peak  # noqa: E402
+from sdopt.tools.plan import (  # noqa: E402
+    SETTINGS,
+    TEXT_ENCODE,
+    UNET_STEP,
+    VAE_DECODE,
+    Planner,
+    architecture,
+    build_modules,
+    lowmem_setting,
+    measure_stage,
+    stage_call,
+)
 
 # The planner's target: predicted peak within 20% of the measured peak RSS growth (CPU, fp32).
 PREDICTION_TOLERANCE = 0.20
@@ -69,7 +81,7 @@ def test_cli_prints_a_plan_for_mini_at_512(capsys, tmp_path):
 def test_vae_decode_prediction_matches_measured_rss_at_512():
     mode = fake_tensor_mode()
     modules = {"vae": fake_module(build_modules("full", names=("vae",))["vae"], mode)}
-    fn, inputs = stage_call(VAE_DECODE, modules, 512, 512, torch.float32, lambda shape, dtype: fake_tensor(mode, shape, dtype))
+    fn, inputs = stage_call("full", VAE_DECODE, modules, 512, 512, torch.float32, lambda shape, dtype: fake_tensor(mode, shape, dtype))
     predicted = predict_peak(fn, *inputs, mode=mode).peak_bytes
     measured = measure_stage("full", VAE_DECODE, 512, 512)
     assert abs(predicted - measured) <= PREDICTION_TOLERANCE * measured, (predicted / 2**20, measured / 2**20)
@@ -94,3 +106,80 @@ def test_sequential_offload_streams_the_unet_when_its_weights_do_not_fit():
     assert 0 < planner.streamed_unet_bytes < planner.weights["unet"]
     assert planner.first_fitting(UNET_STEP, 128, 128, budget, "model") is None
     assert planner.first_fitting(UNET_STEP, 128, 128, budget, "sequential") is not None
+
+
+@pytest.fixture(scope="module")
+def sdxl_tiny():
+    return Planner("sdxl-tiny")
+
+
+def test_sdxl_text_encode_runs_both_encoders(sdxl_tiny):
+    from sdopt.families import checkpoint_config
+
+    clip_l, clip_g = checkpoint_config("sdxl-tiny").text_encoders
+    encoders = {name: type(module).__name__ for name, module in sdxl_tiny.modules.items() if name.startswith("text_encoder")}
+    assert encoders == {"text_encoder": "CLIPTextModel", "text_encoder_2": "CLIPTextModelWithProjection"}
+    assert sdxl_tiny.weights["text_encoder"] == sum(module_bytes(sdxl_tiny.modules[name]) for name in encoders)
+    fn, inputs = stage_call("sdxl-tiny", TEXT_ENCODE, sdxl_tiny.modules, 64, 64, torch.float32, sdxl_tiny._make)
+    with sdxl_tiny.mode:
+        hidden = fn(*inputs)
+    assert tuple(hidden.shape) == (1, 77, clip_l.hidden_size + clip_g.hidden_size)
+
+
+def test_sdxl_unet_step_takes_the_y_vector(sdxl_tiny):
+    from sdopt.families import checkpoint_config
+
+    config = checkpoint_config("sdxl-tiny")
+    fn, inputs = stage_call("sdxl-tiny", UNET_STEP, sdxl_tiny.modules, 128, 64, torch.float32, sdxl_tiny._make)
+    x, sigma, context, pooled, time_ids = inputs
+    down = config.vae.downscale
+    assert tuple(x.shape) == (2, 4, 64 // down, 128 // down) and tuple(context.shape) == (2, 77, config.unet.context_dim)
+    # y = pooled CLIP-G text + six size and crop ids, each embedded to the same width: adm_in_channels in all.
+    unet = sdxl_tiny.modules["unet"]
+    assert tuple(pooled.shape) == (2, config.text_encoders[-1].projection_dim) and tuple(time_ids.shape) == (2, 6)
+    assert pooled.shape[1] + 6 * unet.config.addition_time_embed_dim == config.unet.adm_in_channels
+    stock = sdxl_tiny.predict(UNET_STEP, SETTINGS[UNET_STEP][0], 128, 128)
+    # Sequential CFG must split y with the latent, or the UNet's batch-1 halves meet a batch-2 vector.
+    low = sdxl_tiny.predict(UNET_STEP, lowmem_setting(1), 128, 128)
+    assert 0 < low.peak_bytes < stock.peak_bytes
+    assert stock.input_bytes == sum(t.numel() * t.element_size() for t in stage_call(
+        "sdxl-tiny", UNET_STEP, sdxl_tiny.modules, 128, 128, torch.float32, sdxl_tiny._make)[1])
+
+
+def test_sdxl_checkpoint_architecture_from_its_keys(tmp_path):
+    from safetensors.torch import save_file
+
+    from sdopt.tools.modelgen import UNET_PREFIX, checkpoint_specs
+
+    unet = {k: torch.zeros(spec.shape, dtype=torch.float16) for k, spec in checkpoint_specs("sdxl-tiny").items()
+            if k.startswith(UNET_PREFIX)}
+    save_file(unet, tmp_path / "xl.safetensors")
+    assert architecture(str(tmp_path / "xl.safetensors")) == "sdxl-tiny"
+    save_file({f"{UNET_PREFIX}input_blocks.0.0.weight": torch.zeros(1)}, tmp_path / "other.safetensors")
+    with pytest.raises(Exception, match="matches none of the architectures"):
+        architecture(str(tmp_path / "other.safetensors"))
+
+
+def test_cli_plans_sdxl_mini(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "sdxl-mini", "--width", "512", "--height", "512", "--budget", "8GiB", "--no-search",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "sdxl-mini: the SDXL architecture" in printed
+    plan = json.loads(out.read_text())
+    assert plan["fits"] and [row["stage"] for row in plan["plan"]] == ["text encode", "UNet step", "VAE decode", "VAE encode"]
+    # CLIP-L and OpenCLIP-G in fp32: about 0.47 and 2.6 GiB.
+    assert 3.0 * 2**30 < plan["weights_bytes"]["text_encoder"] < 3.2 * 2**30
+    unet = plan["stock"][1]
+    assert 32 * 2**20 < unet["peak_bytes"] < 2 * 2**30
+
+
+def test_check_takes_the_cases_of_one_model(capsys, monkeypatch):
+    from sdopt.tools import plan as plan_module
+
+    asked = []
+    monkeypatch.setattr(plan_module, "check_predictions", lambda cases, repeats: asked.extend(cases) or [])
+    assert main(["plan", "--check", "--model", "sdxl-mini"]) == 0
+    assert [(model, stage) for model, stage, _ in asked] == [("sdxl-mini", UNET_STEP)] * 3
+    assert sorted(size for *_, size in asked) == [512, 1024, 2048]
+    assert "the checked models are mini, full, sdxl-mini" in _one_line_error(capsys, ["plan", "--check", "--model", "sdxl-full"])
