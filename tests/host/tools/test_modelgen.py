@@ -1,9 +1,12 @@
 """tools.modelgen in the real ComfyUI: each family's mini checkpoint is detected as its family, loads
 every key (UNet, text encoders, VAE) with none missing or left over, samples, and the SDXL VAE
-overflows fp16 as the real one does."""
+overflows fp16 as the real one does; the unit tier's fixture of ComfyUI's detection is current."""
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -13,6 +16,7 @@ from sdopt.families import UNET_PREFIX, VAE_PREFIX, family_of_config_class
 # What ComfyUI builds but SD1.5 and SDXL files, real ones included, never carry, and so filters from
 # its "clip missing" warning (comfy/sd.py): CLIP-L's projection and temperature.
 CLIP_UNSET = {"clip_l.logit_scale", "clip_l.transformer.text_projection.weight"}
+MANIFEST_FIXTURES = Path(__file__).resolve().parents[2] / "unit" / "tools" / "fixtures"
 
 
 def _file_shapes(path) -> dict[str, list[int]]:
@@ -80,3 +84,12 @@ def test_sdxl_vae_overflows_fp16_but_not_fp32(comfy_host):
         half = copy.deepcopy(decoder).half().decode(latent.half())
     assert torch.isfinite(full).all()
     assert not torch.isfinite(half).all()
+
+
+def test_the_unit_tier_s_comfyui_manifest_is_current(comfy_host):
+    script = MANIFEST_FIXTURES / "comfyui_manifest.py"
+    spec = importlib.util.spec_from_file_location("comfyui_manifest", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    committed = json.loads((MANIFEST_FIXTURES / "comfyui_manifest.json").read_text())
+    assert module.comfyui_manifest() == committed, f"stale fixture: regenerate it as {script} says"

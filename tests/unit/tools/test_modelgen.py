@@ -1,5 +1,9 @@
-"""tools.modelgen: determinism, the LDM key layout (checked by diffusers' own converters), manifests, CLI."""
+"""tools.modelgen: determinism, the LDM key layout (checked by diffusers' own converters), manifests, the
+SDXL checkpoint against ComfyUI's detection (a committed fixture) and its fp16-overflowing VAE, CLI."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +12,7 @@ from diffusers.loaders.single_file_utils import (
     convert_ldm_clip_checkpoint,
     convert_ldm_unet_checkpoint,
     convert_ldm_vae_checkpoint,
+    convert_open_clip_checkpoint,
     create_unet_diffusers_config_from_ldm,
     create_vae_diffusers_config_from_ldm,
 )
@@ -15,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from sdopt.errors import UserError
-from sdopt.families import FAMILIES, UNET_PREFIX, VAE_PREFIX, checkpoint_config
+from sdopt.families import FAMILIES, MODEL_NAMES, UNET_PREFIX, VAE_PREFIX, checkpoint_config
 from sdopt.tools import cli, modelgen
 from sdopt.tools.modelgen import (
     checkpoint_specs,
@@ -23,6 +28,7 @@ from sdopt.tools.modelgen import (
     diffusers_unet_config,
     diffusers_vae_config,
     param_count,
+    text_encoder_specs,
     transformers_clip_text_config,
     unet_ldm_specs,
     vae_ldm_specs,
@@ -30,6 +36,12 @@ from sdopt.tools.modelgen import (
 )
 
 TEXT_ENCODER_PREFIX = FAMILIES["sd15"].sizes["full"].text_encoders[0].prefix
+SDXL = FAMILIES["sdxl"]
+CLIP_L, CLIP_G = SDXL.sizes["full"].text_encoders
+CLIP_G_TINY = SDXL.sizes["tiny"].text_encoders[1]
+# What ComfyUI 0.3.75's own model detection makes of the SDXL checkpoints; regenerate with the command in
+# fixtures/comfyui_manifest.py (the host tier fails when it is stale).
+COMFYUI_MANIFEST = json.loads((Path(__file__).parent / "fixtures" / "comfyui_manifest.json").read_text())
 # ComfyUI 0.3.64's own SD1.5 classes give these (docs: comfyui-host-notes.md, section I).
 SD15_TENSORS_AND_PARAMS = {
     UNET_PREFIX: (686, 859_520_964),
@@ -227,6 +239,236 @@ def test_mini_manifest_is_detected_as_sd15_with_full_text_encoder_and_vae():
     assert mini.text_encoders == full.text_encoders
     assert clip_text_specs(mini.text_encoders[0]) == clip_text_specs(full.text_encoders[0])
     assert vae_ldm_specs(mini.vae) == vae_ldm_specs(full.vae)
+
+
+# --- SDXL ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sdxl_tiny_checkpoint(tmp_path_factory) -> dict[str, torch.Tensor]:
+    path = tmp_path_factory.mktemp("sdxl-tiny") / "sdxl-tiny.safetensors"
+    write_checkpoint("sdxl-tiny", path, seed=0, dtype="fp32")
+    return load_file(path)
+
+
+def _sgm_original_config(name: str) -> dict:
+    """The generative-models yaml (sd_xl_base.yaml layout) that the sdopt config stands for."""
+    cfg = checkpoint_config(name)
+    unet, vae = cfg.unet, cfg.vae
+    return {
+        "model": {
+            "params": {
+                "scale_factor": SDXL.latent.scale,
+                "network_config": {
+                    "params": {
+                        "adm_in_channels": unet.adm_in_channels,
+                        "num_classes": "sequential",
+                        "in_channels": unet.in_channels,
+                        "out_channels": unet.out_channels,
+                        "model_channels": unet.model_channels,
+                        "attention_resolutions": [2**level for level, depth in enumerate(unet.transformer_depth) if depth],
+                        "num_res_blocks": unet.num_res_blocks,
+                        "channel_mult": list(unet.channel_mult),
+                        "num_head_channels": unet.num_head_channels,
+                        "use_linear_in_transformer": True,
+                        "transformer_depth": list(unet.transformer_depth),
+                        "context_dim": unet.context_dim,
+                    }
+                },
+                "first_stage_config": {
+                    "params": {
+                        "ddconfig": {
+                            "double_z": True,
+                            "z_channels": vae.z_channels,
+                            "in_channels": vae.in_channels,
+                            "out_ch": vae.out_channels,
+                            "ch": vae.ch,
+                            "ch_mult": list(vae.ch_mult),
+                            "num_res_blocks": vae.num_res_blocks,
+                            "attn_resolutions": [],
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+
+@pytest.mark.parametrize("name", ["sdxl-mini", "sdxl-full"])
+def test_sdxl_diffusers_configs_agree_with_diffusers_reading_of_the_sgm_config(name):
+    # diffusers' reader knows SDXL by its context width, so tiny (64) is checked by loading it below.
+    original = _sgm_original_config(name)
+    for ours, theirs in (
+        (diffusers_unet_config(name), create_unet_diffusers_config_from_ldm(original, {})),
+        (diffusers_vae_config(name), create_vae_diffusers_config_from_ldm(original, {})),
+    ):
+        del ours["sample_size"]
+        # The yaml has no output-side depths: mini's lighter output blocks are ours alone.
+        assert set(ours) - set(theirs) <= {"reverse_transformer_layers_per_block"}, name
+        assert {key: ours[key] for key in theirs.keys() & ours.keys()} == {
+            key: theirs[key] for key in theirs.keys() & ours.keys()
+        }, name
+    assert diffusers_unet_config(name)["addition_time_embed_dim"] == 256
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_diffusers_and_transformers_build_every_part_with_the_checkpoint_s_tensors(name):
+    """Built on the meta device from our configs, each part has the generated part's tensor and
+    parameter counts, so plan and benches model the same networks as the checkpoints."""
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: text encoders unchecked")
+    cfg = checkpoint_config(name)
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**diffusers_unet_config(name))
+        vae = AutoencoderKL(**diffusers_vae_config(name))
+        texts = [
+            (transformers.CLIPTextModelWithProjection if text.projection_dim else transformers.CLIPTextModel)(
+                transformers.CLIPTextConfig(**transformers_clip_text_config(name, index))
+            )
+            for index, text in enumerate(cfg.text_encoders)
+        ]
+    for module, specs in [(unet, unet_ldm_specs(cfg.unet)), (vae, vae_ldm_specs(cfg.vae))]:
+        assert len(list(module.parameters())) == len(specs), (name, type(module).__name__)
+        assert sum(p.numel() for p in module.parameters()) == param_count(specs), (name, type(module).__name__)
+    for module, text in zip(texts, cfg.text_encoders):
+        # OpenCLIP keeps q, k, v in one tensor and its temperature (unused by SD) as a parameter.
+        specs = {key: spec for key, spec in text_encoder_specs(text).items() if key != "logit_scale"}
+        assert sum(p.numel() for p in module.parameters()) == param_count(specs), (name, text.prefix)
+
+
+def test_sdxl_tiny_unet_loads_strictly_into_diffusers_and_runs_with_its_y_vector(sdxl_tiny_checkpoint):
+    config = diffusers_unet_config("sdxl-tiny")
+    assert config["addition_embed_type"] == "text_time"
+    converted = convert_ldm_unet_checkpoint(checkpoint=sdxl_tiny_checkpoint, config=config)
+    assert len(converted) == len(_part(sdxl_tiny_checkpoint, UNET_PREFIX))
+    unet = UNet2DConditionModel(**config).eval()
+    unet.load_state_dict(converted, strict=True)
+
+    side = config["sample_size"]
+    pooled = CLIP_G_TINY.projection_dim
+    added = {"text_embeds": torch.randn(1, pooled), "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]])}
+    assert pooled + 6 * config["addition_time_embed_dim"] == checkpoint_config("sdxl-tiny").unet.adm_in_channels
+    with torch.no_grad():
+        out = unet(torch.randn(1, 4, side, side), 500, encoder_hidden_states=torch.randn(1, 77, 64), added_cond_kwargs=added)
+    assert out.sample.shape == (1, 4, side, side)
+    assert torch.isfinite(out.sample).all()
+
+
+def test_sdxl_tiny_text_encoders_load_into_transformers(sdxl_tiny_checkpoint):
+    transformers = pytest.importorskip("transformers", reason="transformers not installed: text encoders unchecked")
+    tokens = torch.tensor([[49406, 320, 1929, 49407]])
+
+    clip_l = transformers.CLIPTextModel(transformers.CLIPTextConfig(**transformers_clip_text_config("sdxl-tiny", 0)))
+    converted = convert_ldm_clip_checkpoint(sdxl_tiny_checkpoint)
+    assert len(converted) == len(_part(sdxl_tiny_checkpoint, CLIP_L.prefix))
+    if not hasattr(clip_l, "text_model"):
+        converted = {key.removeprefix("text_model."): value for key, value in converted.items()}
+    missing, unexpected = clip_l.eval().load_state_dict(converted, strict=False)
+    assert unexpected == [] and {key.removeprefix("text_model.") for key in missing} <= {"embeddings.position_ids"}
+
+    config = transformers.CLIPTextConfig(**transformers_clip_text_config("sdxl-tiny", 1))
+    assert config.hidden_act == "gelu"
+    clip_g = transformers.CLIPTextModelWithProjection(config).eval()
+    converted = convert_open_clip_checkpoint(clip_g, sdxl_tiny_checkpoint, prefix=CLIP_G.prefix)
+    missing, unexpected = clip_g.load_state_dict(converted, strict=False)
+    assert unexpected == [] and {key.removeprefix("text_model.") for key in missing} <= {"embeddings.position_ids"}
+    # The projection is stored (hidden, projection) and applied as x @ W: transformers' weight is its transpose.
+    stored = sdxl_tiny_checkpoint[CLIP_G.prefix + "text_projection"]
+    assert torch.equal(clip_g.text_projection.weight, stored.T)
+
+    with torch.no_grad():
+        hidden = clip_l(tokens).last_hidden_state
+        projected = clip_g(tokens).text_embeds
+    assert torch.isfinite(hidden).all() and torch.isfinite(projected).all()
+    assert projected.shape == (1, CLIP_G_TINY.projection_dim)
+
+
+def _tiny_vae(checkpoint: dict[str, torch.Tensor], name: str) -> AutoencoderKL:
+    config = diffusers_vae_config(name)
+    vae = AutoencoderKL(**config).eval()
+    vae.load_state_dict(convert_ldm_vae_checkpoint(checkpoint=checkpoint, config=config), strict=True)
+    return vae
+
+
+def test_sdxl_vae_overflows_fp16_and_decodes_as_unscaled_in_fp32_and_bf16(sdxl_tiny_checkpoint):
+    overflowing = _tiny_vae(sdxl_tiny_checkpoint, "sdxl-tiny")
+    # The same VAE with the scaled conv scaled back: what the decoder computes without the overflow.
+    scaled = {VAE_PREFIX + modelgen._FP16_OVERFLOW_CONV + suffix for suffix in (".weight", ".bias")}
+    plain_weights = {
+        key: value / modelgen._FP16_OVERFLOW_SCALE if key in scaled else value for key, value in sdxl_tiny_checkpoint.items()
+    }
+    plain = _tiny_vae(plain_weights, "sdxl-tiny")
+    assert sdxl_tiny_checkpoint[next(iter(scaled))].abs().max() > 100  # the file really holds the large conv
+
+    latent = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = plain.decode(latent).sample
+        full = overflowing.decode(latent).sample
+        bf16 = overflowing.to(torch.bfloat16).decode(latent.bfloat16()).sample.float()
+        plain_bf16 = plain.to(torch.bfloat16).decode(latent.bfloat16()).sample.float()
+        half = overflowing.half().decode(latent.half()).sample
+        plain_half = plain.half().decode(latent.half()).sample
+    torch.testing.assert_close(full, reference, rtol=1e-4, atol=1e-4)
+    # bf16 rounds both alike: the scaled one is as close to fp32 as the plain one.
+    assert (bf16 - reference).abs().max() <= 2 * (plain_bf16 - reference).abs().max() + 1e-3
+    assert torch.isfinite(plain_half).all()
+    assert not torch.isfinite(half).all()
+
+
+def test_sdxl_tiny_unet_has_the_keys_and_shapes_comfyui_builds_from_its_detection():
+    expected = {key: tuple(shape) for key, shape in COMFYUI_MANIFEST["sdxl-tiny"]["unet"].items()}
+    assert {key: spec.shape for key, spec in unet_ldm_specs(checkpoint_config("sdxl-tiny").unet).items()} == expected
+
+
+@pytest.mark.parametrize("name", ["sdxl-tiny", "sdxl-mini", "sdxl-full"])
+def test_sdxl_configs_are_what_comfyui_detects(name):
+    """Our UNet config, spelled out per block the way ComfyUI's detect_unet_config reads a file, is what
+    it read from the generated keys; mini and full match ComfyUI's SDXL and have its UNet's size."""
+    unet = checkpoint_config(name).unet
+    comfy = COMFYUI_MANIFEST[name]
+    per_block = {
+        "model_channels": unet.model_channels,
+        "channel_mult": list(unet.channel_mult),
+        "num_res_blocks": [unet.num_res_blocks] * len(unet.channel_mult),
+        "transformer_depth": [depth for depth in unet.transformer_depth for _ in range(unet.num_res_blocks)],
+        "transformer_depth_output": [depth for depth in unet.output_depth for _ in range(unet.num_res_blocks + 1)],
+        "transformer_depth_middle": unet.transformer_depth_middle,
+        "context_dim": unet.context_dim,
+        "use_linear_in_transformer": unet.use_linear_in_transformer,
+        "adm_in_channels": unet.adm_in_channels,
+        "in_channels": unet.in_channels,
+        "out_channels": unet.out_channels,
+    }
+    assert {key: comfy["detected"][key] for key in per_block} == per_block
+    specs = unet_ldm_specs(unet)
+    assert (len(specs), param_count(specs)) == (comfy["unet_tensors"], comfy["unet_parameters"])
+    if name == "sdxl-tiny":
+        assert comfy["supported_model"] is None  # toy widths: not loadable by ComfyUI
+    else:
+        assert comfy["supported_model"] in SDXL.comfy_configs
+
+
+def test_sdxl_full_manifest_has_sdxl_s_sizes_and_mini_keeps_the_full_text_encoders_and_vae():
+    full, mini = (checkpoint_specs(name) for name in ("sdxl-full", "sdxl-mini"))
+    sd15 = checkpoint_specs("full")
+    part = lambda specs, prefix: {key: spec for key, spec in specs.items() if key.startswith(prefix)}  # noqa: E731
+    # SDXL's UNet is 2,567,463,684 parameters (ComfyUI builds the same from its detection, above);
+    # OpenCLIP ViT-bigG's text tower 694,659,840 plus its logit_scale.
+    assert param_count(part(full, UNET_PREFIX)) == 2_567_463_684
+    assert param_count(part(full, CLIP_G.prefix)) == 694_659_841
+    assert full[CLIP_G.prefix + "text_projection"].shape == (1280, 1280)
+    assert full[CLIP_G.prefix + "transformer.resblocks.31.attn.in_proj_weight"].shape == (3 * 1280, 1280)
+    # CLIP-L and the VAE have SD1.5's shapes, under SDXL's prefix for CLIP-L.
+    assert {key.removeprefix(CLIP_L.prefix): spec.shape for key, spec in part(full, CLIP_L.prefix).items()} == {
+        key.removeprefix(TEXT_ENCODER_PREFIX): spec.shape for key, spec in part(sd15, TEXT_ENCODER_PREFIX).items()
+    }
+    assert {key: spec.shape for key, spec in part(full, VAE_PREFIX).items()} == {
+        key: spec.shape for key, spec in part(sd15, VAE_PREFIX).items()
+    }
+    for prefix in (CLIP_L.prefix, CLIP_G.prefix, VAE_PREFIX):
+        assert part(mini, prefix) == part(full, prefix)
+    assert param_count(part(mini, UNET_PREFIX)) == 188_130_884
+    assert mini[UNET_PREFIX + "label_emb.0.0.weight"].shape == (1280, 2816)
+    assert mini[UNET_PREFIX + "input_blocks.4.1.proj_in.weight"].shape == (320, 320)  # linear, not 1x1 conv
 
 
 # --- errors and the CLI ----------------------------------------------------------------------
