@@ -1,12 +1,14 @@
 """``python -m sdopt bench vae``: untiled against tiled VAE decode, each in a fresh process.
 
-For every size a seeded random latent is decoded by the SD1.5 VAE architecture with seeded random
-weights (diffusers' ``AutoencoderKL`` built from ``modelgen``'s config): once untiled, then through
-``optim.tiled_vae`` once per requested ``keep_intermediates`` setting (recomputed: least memory;
-kept: faster). Each decode runs in a new Python process, so its peak RSS (VmHWM from
-/proc/self/status) belongs to that decode alone. The parent compares the two images: PSNR of the
-tiled image against the untiled one, both mapped to [0, 1] as ComfyUI does ((x + 1) / 2), without
-the clamp, so saturated pixels still count.
+For every size a seeded random latent is decoded by the VAE of ``--model`` (a generated model's
+name, ``full`` or ``sdxl-mini``): diffusers' ``AutoencoderKL`` of that model's VAE config, holding
+the weights ``make-model`` writes into its checkpoint (the same seed, fp16-rounded as in the file;
+the SDXL VAE's activations pass fp16's range as the real one's do). It decodes once untiled, then
+through ``optim.tiled_vae`` once per requested ``keep_intermediates`` setting (recomputed: least
+memory; kept: faster), with the architecture's adapter (``Family.vae_layout``). Each decode runs in
+a new Python process, so its peak RSS (VmHWM from /proc/self/status) belongs to that decode alone.
+The parent compares the two images: PSNR of the tiled image against the untiled one, both mapped to
+[0, 1] as ComfyUI does ((x + 1) / 2), without the clamp, so saturated pixels still count.
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
+from ..families import MODEL_NAMES, VAE_PREFIX, checkpoint_config, resolve_model
 from ..measure.profiler import format_mib, peak_rss_growth
 from ..measure.report import markdown_table
-from .modelgen import SIZES, diffusers_vae_config
+from .bench_attention import trim_heap
+from .modelgen import diffusers_vae_config, generate_tensor, vae_ldm_specs
 
 SEED = 0
 UNTILED = "untiled"
@@ -50,6 +54,8 @@ class VAEBenchRow:
     passes: int | None = None
     kept_intermediates: bool | None = None
     oom_retries: int | None = None
+    stored: int | None = None  # tile values kept between passes in the fp16 store...
+    stored_wide: int | None = None  # ...of which these passed fp16's range and were kept in fp32
     psnr_vs_untiled_db: float | None = None
     peak_vs_untiled: float | None = None
 
@@ -58,13 +64,21 @@ class VAEBenchRow:
 
 
 def build_vae(model: str = "full", overrides: dict | None = None, seed: int = SEED):
-    """The diffusers ``AutoencoderKL`` of ``modelgen``'s ``model`` config (with ``overrides``), seeded weights."""
+    """The diffusers ``AutoencoderKL`` of model ``model``'s VAE with the weights of its generated
+    checkpoint (``make-model model --seed seed``, fp16), converted from the checkpoint's LDM keys by
+    diffusers. With ``overrides`` (a narrower config, for tests) the weights are seeded random ones."""
     try:
         from diffusers import AutoencoderKL
+        from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
     except ImportError:
         raise UserError("bench vae builds the VAE with diffusers: pip install diffusers (or sdopt[diffusers])") from None
     torch.manual_seed(seed)
-    return AutoencoderKL(**{**diffusers_vae_config(model), **(overrides or {})}).eval()
+    vae = AutoencoderKL(**{**diffusers_vae_config(model), **(overrides or {})}).eval()
+    if not overrides:
+        specs = vae_ldm_specs(checkpoint_config(model).vae)
+        ldm = {key: generate_tensor(VAE_PREFIX + key, spec, seed, torch.float16).float() for key, spec in specs.items()}
+        vae.load_state_dict(convert_ldm_vae_checkpoint(ldm, vae.config))
+    return vae
 
 
 def _latent(size: int, downscale: int, channels: int, seed: int) -> torch.Tensor:
@@ -77,6 +91,8 @@ def decode_once(spec: dict) -> dict:
     from ..optim.precision import DTYPES
 
     vae = build_vae(spec["model"], spec.get("overrides"), spec["seed"])
+    architecture = resolve_model(spec["model"])[0].vae_layout
+    trim_heap()  # the conversion's freed copies must not be RSS that the decode then reuses unseen
     downscale = 2 ** (len(vae.config.block_out_channels) - 1)
     z = _latent(spec["size"], downscale, vae.config.latent_channels, spec["seed"])
     with torch.inference_mode():  # one-time library set-up (oneDNN, thread pools) is not the decode's
@@ -88,7 +104,7 @@ def decode_once(spec: dict) -> dict:
             config = TiledVAEConfig(tile=spec["tile"], overlap=spec["overlap"], keep_intermediates=spec.get("keep"),
                                     store_dtype=DTYPES[spec["store_dtype"]] if spec.get("store_dtype") else None,
                                     budget_bytes=spec.get("budget_bytes"))
-            result = tiled_decode(vae, z, config)
+            result = tiled_decode(vae, z, config, architecture=architecture)
             return result.output, result.stats
         return vae.decode(z).sample, None
 
@@ -99,7 +115,7 @@ def decode_once(spec: dict) -> dict:
     report = {"seconds": seconds, "peak_rss_bytes": peak, "decode_rss_bytes": growth}
     if stats is not None:
         report.update(tile=stats.tile, tiles=stats.tiles, passes=stats.passes, kept_intermediates=stats.kept_intermediates,
-                      oom_retries=stats.oom_retries)
+                      oom_retries=stats.oom_retries, stored=stats.stored, stored_wide=stats.stored_wide)
     return report
 
 
@@ -135,8 +151,8 @@ def bench_vae(
 
     if not _PROC_CLEAR_REFS.exists():
         raise UserError("bench vae reads and resets the peak RSS through /proc/self: it needs Linux")
-    if model not in SIZES:
-        raise UserError(f"--model {model!r}: choose one of {', '.join(SIZES)}")
+    if model not in MODEL_NAMES:
+        raise UserError(f"--model {model!r}: choose one of {', '.join(MODEL_NAMES)}")
     problem = check_tile_inputs(tile, overlap)
     if problem:
         raise UserError(f"--{problem}")
@@ -170,17 +186,18 @@ def bench_vae(
 
 
 def vae_table(rows: list[VAEBenchRow]) -> str:
-    headers = ["size", "mode", "tile", "tiles", "passes", "intermediates", "seconds", "peak RSS MiB", "decode growth MiB",
-               "peak vs untiled", "PSNR vs untiled dB"]
+    headers = ["size", "mode", "tile", "tiles", "passes", "intermediates", "stored past fp16", "seconds", "peak RSS MiB",
+               "decode growth MiB", "peak vs untiled", "PSNR vs untiled dB"]
     body = [
         [f"{r.size}x{r.size}", r.mode, r.tile or "—", r.tiles or "—", r.passes or "—",
          "—" if r.kept_intermediates is None else ("kept" if r.kept_intermediates else "recomputed"),
+         "—" if not r.stored else f"{r.stored_wide} of {r.stored}",
          f"{r.seconds:.1f}", format_mib(r.peak_rss_bytes), format_mib(r.decode_rss_bytes),
          "—" if r.peak_vs_untiled is None else f"{r.peak_vs_untiled:.0%}",
          "—" if r.psnr_vs_untiled_db is None else f"{r.psnr_vs_untiled_db:.1f}"]
         for r in rows
     ]
-    return "\n".join(markdown_table(headers, body, right={2, 3, 4, 6, 7, 8, 9, 10}))
+    return "\n".join(markdown_table(headers, body, right={2, 3, 4, 7, 8, 9, 10, 11}))
 
 
 if __name__ == "__main__":

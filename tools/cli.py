@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_comfyui_bench_options(resolutions)
     resolutions.set_defaults(handler=_bench_resolutions)
     vae = bench_kinds.add_parser(
-        "vae", help="SD1.5 VAE decode untiled vs tiled (random weights), each in a fresh process: time, peak RAM, PSNR"
+        "vae", help="VAE decode untiled vs tiled (a generated model's VAE), each in a fresh process: time, peak RAM, PSNR"
     )
     vae.add_argument("--sizes", type=_sizes, default=[512, 1024], help="comma-separated image sides in pixels")
     vae.add_argument("--tile", type=int, default=512, help="tile side in image pixels")
@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     vae.add_argument("--keep-intermediates", nargs="+", choices=("no", "yes", "auto"), default=["no", "yes"],
                      help="one tiled run per value: no = recompute (least memory), yes = keep (faster), auto = by budget")
     vae.add_argument("--budget-mb", type=int, default=0, help="memory budget for auto (0 = free RAM)")
-    vae.add_argument("--model", choices=SIZES, default="full", help="whose VAE config (mini and full: the SD1.5 VAE)")
+    vae.add_argument("--model", choices=SIZES, default="full",
+                     help="whose VAE, with the weights make-model writes (mini and full: SD1.5's; sdxl-mini: SDXL's, fp16-overflowing)")
     vae.add_argument("--seed", type=int, default=0)
     vae.add_argument("--json", type=Path, help="write the rows as JSON")
     vae.set_defaults(handler=_bench_vae)

@@ -79,3 +79,31 @@ def test_the_cli_takes_comma_separated_sizes(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "vae", "--sizes", "512,big"])
     assert "not a comma-separated list of pixel sizes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny", "sdxl-tiny"])
+def test_the_vae_holds_the_generated_checkpoints_weights(model):
+    """The bench decodes with the weights make-model writes (fp16 in the file), and the SDXL VAE
+    keeps its statistics: its decode passes fp16's range where SD1.5's does not."""
+    from sdopt.families import VAE_PREFIX
+    from sdopt.tools.bench_vae import build_vae
+    from sdopt.tools.modelgen import checkpoint_specs, generate_tensor
+
+    vae = build_vae(model, seed=3)
+    specs = checkpoint_specs(model)
+    for ldm_key, module in (("decoder.conv_in.weight", vae.decoder.conv_in),
+                            ("decoder.mid.block_1.conv1.weight", vae.decoder.mid_block.resnets[0].conv1)):
+        key = VAE_PREFIX + ldm_key
+        assert torch.equal(module.weight, generate_tensor(key, specs[key], 3, torch.float16).float())
+    latent = torch.randn(1, vae.config.latent_channels, 8, 8, generator=torch.Generator().manual_seed(0))
+    peak = {}
+
+    def record_peak(_module, _inputs, out):
+        peak["max"] = out.abs().max().item()
+
+    hook = vae.decoder.mid_block.resnets[0].conv1.register_forward_hook(record_peak)
+    with torch.no_grad():
+        image = vae.decode(latent).sample
+    hook.remove()
+    assert torch.isfinite(image).all()
+    assert (peak["max"] > torch.finfo(torch.float16).max) == (model == "sdxl-tiny"), peak
