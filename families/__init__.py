@@ -36,6 +36,16 @@ def checkpoint_config(name: str) -> CheckpointConfig:
     return family.sizes[size]
 
 
+def model_name_of_file(filename: str) -> str | None:
+    """The model name whose generated checkpoint is called ``filename`` (``sdopt-mini-sdxl.safetensors``
+    → ``sdxl-mini``), None for any other file name."""
+    for family in FAMILIES.values():
+        for size in family.sizes:
+            if family.checkpoint_filename(size) == filename:
+                return family.model_name(size)
+    return None
+
+
 def family_of_config_class(cls: type) -> Family | None:
     """The family of a ComfyUI ``supported_models`` class (or a subclass of one), None if sdopt has none."""
     names = {base.__name__ for base in cls.__mro__}
@@ -48,5 +58,5 @@ def family_of_config_class(cls: type) -> Family | None:
 __all__ = [
     "FAMILIES", "MODEL_NAMES", "UNET_PREFIX", "VAE_PREFIX", "CheckpointConfig", "DiffusionCall", "Family",
     "LatentFormat", "TextEncoderConfig", "UNetConfig", "VAEConfig", "checkpoint_config", "family_of_config_class",
-    "resolve_model",
+    "model_name_of_file", "resolve_model",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..families import MODEL_NAMES, model_name_of_file
 
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 SEED_CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
@@ -233,10 +234,15 @@ def validation_message(node_id: str, class_type: str, reason: dict, checkpoint_f
     name, value = info.get("input_name", ""), info.get("received_value")
     if reason["type"] == "value_not_in_list" and name == "ckpt_name":
         target = Path(checkpoint_folders[0]) / str(value) if checkpoint_folders else value
+        model = model_name_of_file(Path(str(value)).name)
+        create = (
+            f"create it with `python -m sdopt make-model {model} --out {target}`" if model else
+            f"a generated checkpoint is made with `python -m sdopt make-model NAME --out {target}` "
+            f"(NAME: {', '.join(MODEL_NAMES)})"
+        )
         return (
             f"missing model file {value!r} (node {node_id} {class_type}.{name}): it is not in "
-            f"{', '.join(checkpoint_folders) or 'any checkpoints folder'}; create it with "
-            f"`python -m sdopt make-model mini --out {target}` or point --models at the folder that has it"
+            f"{', '.join(checkpoint_folders) or 'any checkpoints folder'}; {create} or point --models at the folder that has it"
         )
     where = f"node {node_id} {class_type}" + (f".{name}" if name else "")
     return f"{where}: {reason['message']}: {reason['details']}".rstrip(": ")

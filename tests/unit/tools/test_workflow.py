@@ -239,16 +239,28 @@ def test_missing_and_foreign_files_are_rejected(tmp_path):
         load_workflow(other)
 
 
-def test_missing_checkpoint_suggests_make_model():
+def _missing_checkpoint(filename: str) -> str:
     reason = {
         "type": "value_not_in_list",
         "message": "Value not in list",
-        "details": "ckpt_name: 'sdopt-mini-sd15.safetensors' not in []",
-        "extra_info": {"input_name": "ckpt_name", "received_value": "sdopt-mini-sd15.safetensors"},
+        "details": f"ckpt_name: '{filename}' not in []",
+        "extra_info": {"input_name": "ckpt_name", "received_value": filename},
     }
-    message = validation_message("4", "CheckpointLoaderSimple", reason, ["/comfy/models/checkpoints"])
-    assert message.startswith("missing model file 'sdopt-mini-sd15.safetensors'")
-    assert "python -m sdopt make-model mini --out /comfy/models/checkpoints/sdopt-mini-sd15.safetensors" in message
+    return validation_message("4", "CheckpointLoaderSimple", reason, ["/comfy/models/checkpoints"])
+
+
+@pytest.mark.parametrize("filename, model", [("sdopt-mini-sd15.safetensors", "mini"), ("sdopt-mini-sdxl.safetensors", "sdxl-mini"),
+                                             ("sdopt-full-sdxl.safetensors", "sdxl-full")])
+def test_missing_checkpoint_suggests_make_model_of_its_family(filename, model):
+    message = _missing_checkpoint(filename)
+    assert message.startswith(f"missing model file '{filename}'")
+    assert f"python -m sdopt make-model {model} --out /comfy/models/checkpoints/{filename}" in message
+
+
+def test_missing_foreign_checkpoint_lists_the_model_names():
+    message = _missing_checkpoint("juggernautXL.safetensors")
+    assert "make-model NAME --out /comfy/models/checkpoints/juggernautXL.safetensors" in message
+    assert "sdxl-mini" in message and "make-model mini" not in message
 
 
 def test_other_validation_errors_name_node_and_input():
