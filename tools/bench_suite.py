@@ -92,7 +92,7 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
     ``model``: the SD1.5 model of phases 3, 4 and 8-11 (default full; mini in a dry run)."""
     common = {"comfyui": comfyui, "models": models}
     model = model or ("mini" if dry_run else "full")
-    speed = {"size": 64, "steps": 3, "rounds": 1} if dry_run else {"size": 512, "steps": 20, "rounds": 3}
+    speed = {"size": 64, "steps": 2, "rounds": 1} if dry_run else {"size": 512, "steps": 20, "rounds": 3}
 
     def skip_rungs(rungs):
         return {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING} if dry_run else {}
@@ -170,7 +170,8 @@ class PhaseOutcome:
 
 def run_suite(out: Path, phases: list[Phase], dry_run: bool = False, archive: Path | None = None,
               limit_s: float = SUITE_LIMIT_S, started=lambda phase: None, finished=lambda outcome: None) -> list[PhaseOutcome]:
-    """Run ``phases`` in order, each in a child process; the suite files are rewritten after every one.
+    """Run ``phases`` in order, each in a child process, within ``limit_s`` (a phase that would pass it is
+    skipped; the running one is stopped at it); the suite files are rewritten after every phase.
     ``started(phase)`` and ``finished(outcome)`` hear of each phase."""
     out.mkdir(parents=True, exist_ok=True)
     began, outcomes = time.monotonic(), []
@@ -181,7 +182,8 @@ def run_suite(out: Path, phases: list[Phase], dry_run: bool = False, archive: Pa
             write_phase(out, phase, {"rows": [], "skipped": outcome.skipped, "markdown": "", "plots": []}, 0.0)
         else:
             started(phase)
-            outcome = _run_child(out, phase, DRY_PHASE_LIMIT_S if dry_run else PHASE_LIMIT_S)
+            remaining = limit_s - (time.monotonic() - began)
+            outcome = _run_child(out, phase, DRY_PHASE_LIMIT_S if dry_run else min(PHASE_LIMIT_S, remaining))
         outcome.files = sorted(p.name for p in out.glob(f"{phase.stem}*"))
         outcomes.append(outcome)
         write_suite(out, outcomes)
@@ -201,7 +203,7 @@ def _run_child(out: Path, phase: Phase, limit_s: float) -> PhaseOutcome:
             status = DONE if done.returncode == 0 else FAILED
             error = "" if status == DONE else f"exit status {done.returncode}"
         except subprocess.TimeoutExpired:
-            status, error = TIMED_OUT, f"stopped after {limit_s:.0f} s, the limit of a phase"
+            status, error = TIMED_OUT, f"stopped after {limit_s:.0f} s, its time limit"
         capture.seek(0)
         lines = capture.read().splitlines()
     log.write_text("\n".join(lines[-LOG_LINES:]) + "\n")
@@ -245,11 +247,18 @@ def write_suite(out: Path, outcomes: list[PhaseOutcome] = ()) -> None:
                                            "status": data["status"], "seconds": data["seconds"], "skipped": data["skipped"]})
     ordered = [entries[n] for n in sorted(entries)]
     _write_whole(index_path, json.dumps({"device": _device_text(), "phases": ordered}, indent=2))
-    rows = [[e["number"], e["name"], e["status"], f"{e['seconds']:.0f}", "; ".join(f"{s['what']}: {s['why']}" for s in e["skipped"]) or "—"]
-            for e in ordered]
+    rows = [[e["number"], e["name"], e["status"], f"{e['seconds']:.0f}", skip_summary(e["skipped"])] for e in ordered]
     sections = [path.read_text() for path in sorted(out.glob("[0-9][0-9]-*.md"))]
     text = ["# sdopt GPU suite", "", *markdown_table(["phase", "name", "status", "seconds", "skipped (why)"], rows, right={0, 3}), "", *sections]
     _write_whole(out / SUITE_MD, "\n".join(text))
+
+
+def skip_summary(skipped: list[dict]) -> str:
+    """What a phase skipped, one entry per reason: ``what: why``, or ``N × why`` for a reason shared."""
+    by_reason: dict[str, list[str]] = {}
+    for entry in skipped:
+        by_reason.setdefault(entry["why"], []).append(entry["what"])
+    return "; ".join(f"{whats[0]}: {why}" if len(whats) == 1 else f"{len(whats)} × {why}" for why, whats in by_reason.items()) or "—"
 
 
 def write_archive(out: Path, archive: Path) -> None:
@@ -328,7 +337,7 @@ def run_speed(out: Path, phase: Phase) -> dict:
     skipped.update({rung: "bench speed does not offer it" for rung in options["rungs"] if rung not in OFFERED_RUNGS})
     rungs = [rung for rung in options["rungs"] if rung not in skipped]
     rows = bench_speed(options["comfyui"] or os.environ.get("COMFYUI_PATH"), model=options["model"], size=options["size"], steps=options["steps"],
-                       rounds=options["rounds"], rungs=rungs, models=Path(options["models"]) if options["models"] else None)
+                       rounds=options["rounds"], rungs=rungs, models=Path(options["models"]) if options["models"] else None, progress=False)
     plot = f"{phase.stem}.png"
     plots = [] if save_plot(rows, out / plot) else [plot]
     heading = f"`bench speed --model {options['model']} --size {options['size']} --steps {options['steps']} --rounds {options['rounds']}`"

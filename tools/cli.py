@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from .bench_speed import CHANNELS_LAST, RUNGS as SPEED_RUNGS
+from .bench_suite import SUITE_LIMIT_S
 from ..families import MODEL_NAMES, resolve_model
 from .modelgen import CHECKPOINT_DTYPES, SIZES
 
@@ -148,7 +149,7 @@ def _bench_suite(args: argparse.Namespace) -> int:
                       + (f" ({outcome.error.splitlines()[0]})" if outcome.error else ""))
             bar.update()
 
-        outcomes = run_suite(args.out, chosen, args.dry_run, args.archive, started=started, finished=finished)
+        outcomes = run_suite(args.out, chosen, args.dry_run, args.archive, args.time_limit, started=started, finished=finished)
     print(f"wrote {args.out / 'suite.md'}" + (f" and {args.archive}" if args.archive else ""))
     return 1 if any(o.status in (FAILED, TIMED_OUT) for o in outcomes) else 0
 
@@ -343,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     suite.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
     suite.add_argument("--archive", type=Path, help="also keep a .tar.gz of --out, rewritten after each phase")
+    suite.add_argument("--time-limit", type=float, default=SUITE_LIMIT_S, metavar="SECONDS", help=(
+        "this run's limit (default the suite's 40 min): a phase that would pass it is skipped, the running one stopped at it"))
     suite.add_argument("--list", action="store_true", help="print the plan (phases, planned minutes, what is skipped) and stop")
     suite.add_argument("--collect", action="store_true", help="only rebuild suite.md and suite.json from the phase files in --out")
     suite.set_defaults(handler=_bench_suite)

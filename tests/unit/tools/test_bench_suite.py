@@ -117,7 +117,7 @@ def test_a_phase_past_its_time_limit_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_suite, "DRY_PHASE_LIMIT_S", 0.2)
     slow = Phase(2, "doctor", "doctor", "run_doctor", 45, {"comfyui": None})
     (outcome,) = run_suite(tmp_path, [slow], dry_run=True)
-    assert outcome.status == TIMED_OUT and "0 s, the limit of a phase" in outcome.error
+    assert outcome.status == TIMED_OUT and "0 s, its time limit" in outcome.error
     assert json.loads((tmp_path / "02-doctor.json").read_text())["status"] == TIMED_OUT
 
 
@@ -162,3 +162,9 @@ def replace_options(phase, **options):
     from dataclasses import replace
 
     return replace(phase, options={**phase.options, **options})
+
+
+def test_the_index_names_each_reason_once():
+    skipped = [{"what": f"test {n}", "why": "GPU tier: CUDA is not available"} for n in range(3)] + [{"what": "xformers", "why": "not installed"}]
+    assert bench_suite.skip_summary(skipped) == "3 × GPU tier: CUDA is not available; xformers: not installed"
+    assert bench_suite.skip_summary([]) == "—"
