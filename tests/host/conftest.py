@@ -119,6 +119,37 @@ class ComfyHostFixture:
         positive, negative = self._conds
         return nodes.common_ksampler(model, SEED, STEPS, CFG, "euler", "normal", positive, negative, latent)[0]["samples"]
 
+    def lora(self, convs: bool = False) -> str:
+        """The name, in ComfyUI's loras folder, of a rank-4 LoRA of this family's mini UNet in ComfyUI's
+        generic key format over every attention projection, and with ``convs`` over every conv of its
+        first input blocks (LoCon style: down k x k, up 1 x 1); written on first use."""
+        import folder_paths
+        from safetensors.torch import save_file
+
+        folder = Path(folder_paths.get_output_directory()) / "sdopt-test-loras"
+        name = f"sdopt-test-{self.model_family.name}-{'conv-' if convs else ''}lora.safetensors"
+        if not (folder / name).exists():
+            generator = torch.Generator().manual_seed(3)
+            tensors = {}
+            for key, param in self.load_checkpoint()[0].model.diffusion_model.named_parameters():
+                attention = any(part in key for part in (".to_q.", ".to_k.", ".to_v."))
+                conv = convs and param.ndim == 4 and key.startswith(("input_blocks.0.", "input_blocks.1."))
+                if (attention or conv) and key.endswith(".weight"):
+                    prefix = f"diffusion_model.{key[:-len('.weight')]}"
+                    tensors[f"{prefix}.lora_down.weight"] = torch.randn(4, *param.shape[1:], generator=generator) * 0.05
+                    tensors[f"{prefix}.lora_up.weight"] = torch.randn(param.shape[0], 4, *[1] * (param.ndim - 2), generator=generator) * 0.05
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(folder / name))
+        folder_paths.add_model_folder_path("loras", str(folder))
+        return name
+
+    @staticmethod
+    def with_lora(model, name: str, strength: float):
+        """``model`` through ComfyUI's own LoraLoaderModelOnly."""
+        import nodes
+
+        return nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, strength)[0]
+
     def prompt(self, workflow, overrides=()) -> dict:
         """The API prompt of a workflow file (UI or API format) or dict, with ``--set`` overrides."""
         from sdopt.tools.workflow import load_workflow

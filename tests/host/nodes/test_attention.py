@@ -1,8 +1,10 @@
-"""SDOptAttention and SDOptVAEAttention in real ComfyUI, on the mini SD1.5 checkpoint (CPU, fp32).
+"""SDOptAttention and SDOptVAEAttention in real ComfyUI, on the mini SD1.5 checkpoint and, for the
+model's attention, on the mini SDXL (its 2- and 10-block transformers) too (CPU, fp32).
 
 Sampling is 2 euler steps at 64x64 (an 8x8 latent). The patched clone must reproduce the stock
 latent within ``REL_TOL`` of its largest magnitude, and the model it was made from must keep
-producing the stock latent bit for bit.
+producing the stock latent bit for bit. Every backend that runs on this device is held to that on
+both families; the others fall back to sdpa (tested through a missing package).
 
 The nodes come from ComfyUI's own import of the pack (under a module name of ComfyUI's choosing),
 and module-level state (the profiler's active run, the prompt logs, the ``UserError`` class) is
@@ -14,20 +16,35 @@ import uuid
 import pytest
 import torch
 
+from sdopt.optim.attention import AUTO, AttentionConfig, attention_choices, expected_backend
+
 # |patched - stock| / max|stock| on the sampled latent. The random-weight mini model amplifies
 # float rounding (latent magnitude ~450 after cfg 7): ComfyUI's own attention_pytorch and
 # attention_split differ from its CPU default (sub_quad) by 3.2e-6 and 2.9e-6 of it; sdopt's
-# sdpa/naive/sliced/sub_quadratic measured 2.8e-6 to 3.5e-6.
+# sdpa/naive/sliced/sub_quadratic measured 2.8e-6 to 3.5e-6; on the SDXL mini (latent magnitude
+# ~600) up to 6.4e-6.
 REL_TOL = 1e-5
 # |patched - stock| on decoded pixels in [0, 1] (measured: about 1e-6).
 VAE_ATOL = 1e-5
-BACKENDS = ["sub_quadratic", "sliced", "sdpa", "naive", "auto"]
+HOST_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# auto and every backend that runs here as itself; the others fall back to sdpa
+BACKENDS = [b for b in attention_choices() if b == AUTO or expected_backend(AttentionConfig(backend=b), HOST_DEVICE)[0] == b]
+
+
+def _mini(host):
+    model, _, vae = host.load_checkpoint()
+    return {"model": model, "vae": vae, "sample": host.sample, "stock": host.sample(model), "family": host.model_family}
 
 
 @pytest.fixture(scope="module")
 def mini(comfy_host):
-    model, _, vae = comfy_host.load_checkpoint()
-    return {"model": model, "vae": vae, "sample": comfy_host.sample, "stock": comfy_host.sample(model)}
+    return _mini(comfy_host)
+
+
+@pytest.fixture(scope="module", params=["sd15", "sdxl"])
+def family_mini(comfy_host, request):
+    """Each family's mini checkpoint in turn, with its stock latent."""
+    return _mini(comfy_host.family(request.param))
 
 
 def _patch(comfy_host, model, backend, on_unavailable="fallback", slice_size=0, memory_budget_mb=32):
@@ -36,8 +53,6 @@ def _patch(comfy_host, model, backend, on_unavailable="fallback", slice_size=0, 
 
 
 def test_nodes_are_registered_with_every_backend(comfy_host):
-    from sdopt.optim.attention import attention_choices
-
     for name in ("SDOptAttention", "SDOptVAEAttention"):
         inputs = comfy_host.nodes[name].INPUT_TYPES()["required"]
         assert inputs["backend"][0] == list(attention_choices())
@@ -45,12 +60,13 @@ def test_nodes_are_registered_with_every_backend(comfy_host):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_patched_sampling_matches_stock_and_leaves_the_model_alone(comfy_host, mini, backend):
+def test_patched_sampling_matches_stock_and_leaves_the_model_alone(comfy_host, family_mini, backend):
+    mini = family_mini
     model, stock = mini["model"], mini["stock"]
     options_before = copy.copy(model.model_options)
     patched = _patch(comfy_host, model, backend)
     out = mini["sample"](patched)
-    assert (out - stock).abs().max().item() <= REL_TOL * stock.abs().max().item()
+    assert (out - stock).abs().max().item() <= REL_TOL * stock.abs().max().item(), mini["family"].title
     assert torch.equal(mini["sample"](model), stock), "the model the node was given must be unchanged"
     assert model.model_options == options_before
     (record,) = comfy_host.glue.model_records(patched.model_options)
@@ -81,9 +97,10 @@ def test_chained_nodes_keep_one_record_and_the_second_override(comfy_host, mini)
     assert (out - mini["stock"]).abs().max().item() <= REL_TOL * mini["stock"].abs().max().item()
 
 
-def test_auto_pick_reaches_the_profiled_run(comfy_host, mini):
+def test_auto_pick_reaches_the_profiled_run(comfy_host, family_mini):
     from sdopt.optim.attention import backend_names
 
+    mini = family_mini
     SamplingRun = comfy_host.pack("measure.profiler").SamplingRun
     patched = _patch(comfy_host, mini["model"], "auto")
     run = SamplingRun("attention", mini["model"].load_device, comfy_host.glue.model_records(patched.model_options))
@@ -97,7 +114,8 @@ def test_auto_pick_reaches_the_profiled_run(comfy_host, mini):
     assert "ms" in record["note"] and "rejected:" in record["note"]
 
 
-def test_missing_package_falls_back_or_raises(comfy_host, mini, no_xformers):
+def test_missing_package_falls_back_or_raises(comfy_host, family_mini, no_xformers):
+    mini = family_mini
     UserError = comfy_host.pack("errors").UserError
 
     patched = _patch(comfy_host, mini["model"], "xformers")

@@ -1,4 +1,4 @@
-"""SDOptOffload in real ComfyUI on the mini checkpoint.
+"""SDOptOffload in real ComfyUI on each family's mini checkpoint.
 
 On this CPU-only host the node is a no-op that says so. The wrappers it installs on a GPU are run
 here too, on a CPU patcher: ComfyUI's ``partially_unload`` then turns the freed layers into
@@ -24,13 +24,13 @@ def _run_record(comfy_host, prompt_id):
     return record
 
 
-def test_on_a_cpu_the_node_passes_through_and_says_so(comfy_host):
-    model = comfy_host.load_checkpoint()[0]
-    (patched,) = comfy_host.nodes["SDOptOffload"]().patch(model, "budget", 16, "fallback")
-    (record,) = [r for r in comfy_host.glue.model_records(patched.model_options) if r["node"] == "SDOptOffload"]
+def test_on_a_cpu_the_node_passes_through_and_says_so(family_host):
+    model = family_host.load_checkpoint()[0]
+    (patched,) = family_host.nodes["SDOptOffload"]().patch(model, "budget", 16, "fallback")
+    (record,) = [r for r in family_host.glue.model_records(patched.model_options) if r["node"] == "SDOptOffload"]
     assert record["active"] == "no-op" and "CPU" in record["note"]
-    assert comfy_host.wrapper_counts(patched, "SDOptOffload") == {}
-    assert torch.equal(comfy_host.sample(patched), comfy_host.sample(model))
+    assert family_host.wrapper_counts(patched, "SDOptOffload") == {}
+    assert torch.equal(family_host.sample(patched), family_host.sample(model))
 
 
 def test_on_a_cpu_error_names_the_input(comfy_host):
@@ -42,36 +42,36 @@ def test_on_a_cpu_error_names_the_input(comfy_host):
 
 
 @pytest.mark.parametrize("mode", ["budget", "sequential", "none"])
-def test_each_mode_keeps_its_residency_and_samples_what_stock_samples(comfy_host, offload, prompt_context, mode):
+def test_each_mode_keeps_its_residency_and_samples_what_stock_samples(family_host, offload, prompt_context, mode):
     nodes_offload, optim_offload = offload
-    model = comfy_host.load_checkpoint()[0]
-    stock = comfy_host.sample(model)
+    model = family_host.load_checkpoint()[0]
+    stock = family_host.sample(model)
     size = model.model_size()
     budget = size // 3
     patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig(mode, budget), f"mode={mode}")
-    out = comfy_host.sample(_profiled(comfy_host, patched))
+    out = family_host.sample(_profiled(family_host, patched))
     torch.testing.assert_close(out, stock, rtol=0, atol=0)
     resident = patched.loaded_size()
     if mode == "budget":
         assert 0 < resident <= budget
     elif mode == "sequential":
-        assert resident < size * 0.01  # only layers ComfyUI cannot cast per layer stay (none in SD1.5's UNet)
+        assert resident < size * 0.01  # only layers ComfyUI cannot cast per layer stay (none in these UNets)
     else:
         assert resident == size
-    active = _run_record(comfy_host, prompt_context)["active"]
+    active = _run_record(family_host, prompt_context)["active"]
     assert active.startswith(mode) and f"{resident / 2**20:,.1f} of {size / 2**20:,.1f} MiB of weights resident" in active
-    assert torch.equal(comfy_host.sample(model), stock)
+    assert torch.equal(family_host.sample(model), stock)
 
 
-def test_unload_after_frees_the_weights_when_sampling_ends(comfy_host, offload, prompt_context):
+def test_unload_after_frees_the_weights_when_sampling_ends(family_host, offload, prompt_context):
     import comfy.model_management as mm
 
     nodes_offload, optim_offload = offload
-    model = comfy_host.load_checkpoint()[0]
-    stock = comfy_host.sample(model)
+    model = family_host.load_checkpoint()[0]
+    stock = family_host.sample(model)
     patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig("unload_after"), "mode=unload_after")
-    out = comfy_host.sample(_profiled(comfy_host, patched))
+    out = family_host.sample(_profiled(family_host, patched))
     assert torch.equal(out, stock)
     assert not any(loaded.model is not None and loaded.model.is_clone(model) for loaded in mm.current_loaded_models)
-    assert "MiB of weights freed from the device after sampling" in _run_record(comfy_host, prompt_context)["active"]
-    assert torch.equal(comfy_host.sample(model), stock)
+    assert "MiB of weights freed from the device after sampling" in _run_record(family_host, prompt_context)["active"]
+    assert torch.equal(family_host.sample(model), stock)

@@ -75,3 +75,23 @@ def test_report_needs_images_or_latent(comfy_host):
     UserError = comfy_host.pack("errors").UserError
     with pytest.raises(UserError, match=r"^images: connect 'images'"):
         comfy_host.nodes[NODE]().report("sdopt/profile")
+
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_the_report_names_the_model_family_of_each_run(comfy_host, family):
+    host = comfy_host.family(family)
+    prompt = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": host.checkpoint.name}},
+        "2": {"class_type": "SDOptProfiler", "inputs": {"model": ["1", 0], "label": family}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["1", 1], "text": "a lighthouse"}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "5": {"class_type": "KSampler", "inputs": {
+            "model": ["2", 0], "seed": 0, "steps": 1, "cfg": 1.0, "sampler_name": "euler", "scheduler": "normal",
+            "positive": ["3", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}},
+        "6": {"class_type": NODE, "inputs": {"filename_prefix": "sdopt/family", "latent": ["5", 0]}},
+    }
+    report = host.run(prompt).report
+    (run,) = report.runs
+    assert run["model_family"] == host.model_family.title
+    (row,) = [line for line in report.markdown().splitlines() if line.startswith(f"| {family} |")]
+    assert row.endswith(f" | {host.model_family.title} |")
