@@ -30,6 +30,17 @@ def _make_model(args: argparse.Namespace) -> None:
     )
 
 
+def _make_lora(args: argparse.Namespace) -> None:
+    from .modelgen import write_lora
+
+    summary = write_lora(args.model, args.out, rank=args.rank, seed=args.seed, dtype=args.dtype, progress=True)
+    family, _ = resolve_model(args.model)
+    print(
+        f"wrote {summary.path}: rank-{args.rank} LoRA for {args.model} ({family.title}), {summary.tensor_count // 3} layers, "
+        f"{summary.file_bytes / 2**20:,.1f} MiB ({args.dtype}, seed {args.seed})"
+    )
+
+
 def _vram_cap(args: argparse.Namespace) -> int | None:
     from .headless import parse_vram_cap
 
@@ -245,6 +256,14 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="fp16")
     make.set_defaults(handler=_make_model)
+
+    lora = commands.add_parser("make-lora", help="write a deterministic random LoRA (kohya format) for a generated model")
+    lora.add_argument("model", choices=MODEL_NAMES)
+    lora.add_argument("--out", required=True, type=Path, help="the .safetensors file to write (e.g. into models/loras)")
+    lora.add_argument("--rank", type=int, default=4)
+    lora.add_argument("--seed", type=int, default=0)
+    lora.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="fp16")
+    lora.set_defaults(handler=_make_lora)
 
     run = commands.add_parser("run", help="run a ComfyUI workflow headless, with sdopt loaded, and profile it")
     run.add_argument("workflow", type=Path, help="workflow JSON, UI or API format")

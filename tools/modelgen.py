@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -465,11 +466,11 @@ def _safetensors_header(specs: dict[str, TensorSpec], dtype: torch.dtype, metada
     return len(text).to_bytes(8, "little") + text
 
 
-def write_checkpoint(
-    name: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "fp16", progress: bool = False
-) -> CheckpointSummary:
-    """Write the checkpoint of model ``name`` (one of ``MODEL_NAMES``) to ``out`` (a .safetensors
-    file) and describe it.
+def _write_safetensors(
+    specs: dict[str, TensorSpec], out: str | os.PathLike, metadata: dict[str, str], *, seed: int, dtype: str,
+    desc: str, progress: bool,
+) -> tuple[Path, dict[str, TensorSpec]]:
+    """Generate ``specs`` into the safetensors file ``out``; returns its path and the specs in file order.
 
     Tensors are generated and streamed one at a time, so peak memory is one tensor,
     not the model. The file appears only when complete: it is written under a temporary
@@ -477,12 +478,10 @@ def write_checkpoint(
     """
     if dtype not in CHECKPOINT_DTYPES:
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(CHECKPOINT_DTYPES)}")
-    # Sorted like safetensors' own writer, so the bytes on disk depend on nothing but (name, seed, dtype).
-    specs = dict(sorted(checkpoint_specs(name).items()))
+    # Sorted like safetensors' own writer, so the bytes on disk depend on nothing but (specs, seed, dtype).
+    specs = dict(sorted(specs.items()))
     path = _checked_out_path(out)
     torch_dtype = DTYPES[dtype]
-    # sdopt_size holds the model name (SD1.5's are its bare sizes, so their files stay as they were).
-    metadata = {"format": "pt", "sdopt_size": name, "sdopt_seed": str(seed), "sdopt_dtype": dtype}
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -495,8 +494,7 @@ def write_checkpoint(
     try:
         with os.fdopen(descriptor, "wb") as file:
             file.write(_safetensors_header(specs, torch_dtype, metadata))
-            tensors = tqdm(specs.items(), desc=f"sdopt {name} checkpoint", unit="tensor", disable=not progress)
-            for key, spec in tensors:
+            for key, spec in tqdm(specs.items(), desc=desc, unit="tensor", disable=not progress):
                 file.write(generate_tensor(key, spec, seed, torch_dtype).numpy())
             file.flush()
             os.fsync(file.fileno())
@@ -507,13 +505,75 @@ def write_checkpoint(
             reason = f"{error.strerror or error}; free some space or choose another folder"
             raise UserError(f"cannot write {str(path)!r}: {reason}") from None
         raise
+    return path, specs
 
-    return CheckpointSummary(
-        path=path,
-        model=name,
-        seed=seed,
-        dtype=dtype,
-        tensor_count=len(specs),
-        param_count=param_count(specs),
-        file_bytes=path.stat().st_size,
+
+def write_checkpoint(
+    name: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "fp16", progress: bool = False
+) -> CheckpointSummary:
+    """Write the checkpoint of model ``name`` (one of ``MODEL_NAMES``) to ``out`` (a .safetensors
+    file) and describe it. Peak memory is one tensor; the file appears only when complete."""
+    specs = checkpoint_specs(name)
+    # sdopt_size holds the model name (SD1.5's are its bare sizes, so their files stay as they were).
+    metadata = {"format": "pt", "sdopt_size": name, "sdopt_seed": str(seed), "sdopt_dtype": dtype}
+    path, specs = _write_safetensors(
+        specs, out, metadata, seed=seed, dtype=dtype, desc=f"sdopt {name} checkpoint", progress=progress
     )
+    return CheckpointSummary(path, name, seed, dtype, len(specs), param_count(specs), path.stat().st_size)
+
+
+# The layers a LoRA adapts, as kohya's sd-scripts trains them (the format ComfyUI's LoraLoader maps):
+# the UNet's transformer-block linears and each text encoder layer's attention and MLP.
+_LORA_UNET_LAYERS = re.compile(r"\.transformer_blocks\.\d+\.(attn[12]\.to_(q|k|v|out\.0)|ff\.net\.(0\.proj|2))\.weight$")
+_LORA_TEXT_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+# The LoRA's change of each weight, relative to the weight's own scale: visible in a sampled image,
+# small enough to leave it finite.
+_LORA_STRENGTH = 0.5
+
+
+def _lora_module(specs: dict[str, TensorSpec], name: str, out_features: int, in_features: int, rank: int) -> None:
+    """kohya's keys for one adapted linear: ``W += up @ down * alpha / rank`` (alpha = rank: scale 1).
+
+    down ~ N(0, 1/in) and up ~ N(0, s^2/rank) make the change's entries N(0, s^2/in), s times the
+    weight's own std, 1/sqrt(in).
+    """
+    specs[f"{name}.lora_down.weight"] = TensorSpec((rank, in_features), std=in_features**-0.5)
+    specs[f"{name}.lora_up.weight"] = TensorSpec((out_features, rank), std=_LORA_STRENGTH * rank**-0.5)
+    specs[f"{name}.alpha"] = TensorSpec((), std=0.0, mean=float(rank))
+
+
+def lora_specs(name: str, rank: int) -> dict[str, TensorSpec]:
+    """A rank-``rank`` LoRA for model ``name`` in kohya's format: ``lora_unet_<LDM key, dots as
+    underscores>`` for the UNet, ``lora_te_`` (one text encoder) or ``lora_te1_``/``lora_te2_`` (two,
+    SDXL) + ``text_model_encoder_layers_<n>_<layer>`` in transformers' naming, OpenCLIP's CLIP-G included."""
+    if rank < 1:
+        raise UserError(f"LoRA rank must be at least 1, got {rank}")
+    cfg = checkpoint_config(name)
+    specs: dict[str, TensorSpec] = {}
+    for key, spec in unet_ldm_specs(cfg.unet).items():
+        if _LORA_UNET_LAYERS.search(key):
+            out_features, in_features = spec.shape
+            _lora_module(specs, "lora_unet_" + key.removesuffix(".weight").replace(".", "_"), out_features, in_features, rank)
+    for index, text in enumerate(cfg.text_encoders):
+        prefix = "lora_te" if len(cfg.text_encoders) == 1 else f"lora_te{index + 1}"
+        shapes = {"mlp.fc1": (text.intermediate_size, text.hidden_size), "mlp.fc2": (text.hidden_size, text.intermediate_size)}
+        for layer in range(text.num_hidden_layers):
+            for module in _LORA_TEXT_LAYERS:
+                out_features, in_features = shapes.get(module, (text.hidden_size, text.hidden_size))
+                key = f"{prefix}_text_model_encoder_layers_{layer}_{module.replace('.', '_')}"
+                _lora_module(specs, key, out_features, in_features, rank)
+    return specs
+
+
+def write_lora(
+    name: str, out: str | os.PathLike, *, rank: int = 4, seed: int = 0, dtype: str = "fp16", progress: bool = False
+) -> CheckpointSummary:
+    """Write a deterministic random LoRA for model ``name`` (``lora_specs``) to ``out``, a .safetensors
+    file for ComfyUI's ``loras`` folder."""
+    specs = lora_specs(name, rank)
+    metadata = {"format": "pt", "sdopt_lora_for": name, "sdopt_rank": str(rank), "sdopt_seed": str(seed),
+                "sdopt_dtype": dtype, "ss_network_dim": str(rank), "ss_network_alpha": str(rank)}
+    path, specs = _write_safetensors(
+        specs, out, metadata, seed=seed, dtype=dtype, desc=f"sdopt {name} LoRA", progress=progress
+    )
+    return CheckpointSummary(path, name, seed, dtype, len(specs), param_count(specs), path.stat().st_size)

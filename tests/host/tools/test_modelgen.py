@@ -1,17 +1,20 @@
 """tools.modelgen in the real ComfyUI: each family's mini checkpoint is detected as its family, loads
 every key (UNet, text encoders, VAE) with none missing or left over, samples, and the SDXL VAE
-overflows fp16 as the real one does; the unit tier's fixture of ComfyUI's detection is current."""
+overflows fp16 as the real one does; make-lora's LoRA is applied whole and changes the image with its
+strength; the unit tier's fixture of ComfyUI's detection is current."""
 from __future__ import annotations
 
 import copy
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from sdopt.families import UNET_PREFIX, VAE_PREFIX, family_of_config_class
+from sdopt.tools.modelgen import write_lora
 
 # What ComfyUI builds but SD1.5 and SDXL files, real ones included, never carry, and so filters from
 # its "clip missing" warning (comfy/sd.py): CLIP-L's projection and temperature.
@@ -93,3 +96,25 @@ def test_the_unit_tier_s_comfyui_manifest_is_current(comfy_host):
     spec.loader.exec_module(module)
     committed = json.loads((MANIFEST_FIXTURES / "comfyui_manifest.json").read_text())
     assert module.comfyui_manifest() == committed, f"stale fixture: regenerate it as {script} says"
+
+
+def test_make_lora_is_applied_whole_and_the_image_follows_its_strength(family_host, tmp_path, caplog):
+    import comfy.sd
+    import comfy.utils
+
+    path = write_lora(family_host.model_family.model_name("mini"), tmp_path / "lora.safetensors", rank=4).path
+    lora = comfy.utils.load_torch_file(str(path))
+    model, clip, _ = family_host.load_checkpoint()
+    with caplog.at_level(logging.WARNING):
+        patched = {strength: comfy.sd.load_lora_for_models(model, clip, lora, strength, strength) for strength in (1.0, 0.5)}
+    assert [r.getMessage() for r in caplog.records if "lora key not loaded" in r.getMessage()] == []
+    layers = {key.removesuffix(".alpha") for key in lora if key.endswith(".alpha")}
+    unet_layers = {layer for layer in layers if layer.startswith("lora_unet_")}
+    full_model, full_clip = patched[1.0]
+    assert len(full_model.patches) == len(unet_layers) > 0
+    assert len(full_clip.patcher.patches) == len(layers - unet_layers) > 0
+
+    base, full, half = (family_host.sample(m) for m in (model, full_model, patched[0.5][0]))
+    assert torch.isfinite(full).all() and torch.isfinite(half).all()
+    for first, second in ((base, half), (half, full), (base, full)):
+        assert not torch.allclose(first, second, rtol=1e-3, atol=1e-3)

@@ -27,12 +27,14 @@ from sdopt.tools.modelgen import (
     clip_text_specs,
     diffusers_unet_config,
     diffusers_vae_config,
+    lora_specs,
     param_count,
     text_encoder_specs,
     transformers_clip_text_config,
     unet_ldm_specs,
     vae_ldm_specs,
     write_checkpoint,
+    write_lora,
 )
 
 TEXT_ENCODER_PREFIX = FAMILIES["sd15"].sizes["full"].text_encoders[0].prefix
@@ -469,6 +471,76 @@ def test_sdxl_full_manifest_has_sdxl_s_sizes_and_mini_keeps_the_full_text_encode
     assert param_count(part(mini, UNET_PREFIX)) == 188_130_884
     assert mini[UNET_PREFIX + "label_emb.0.0.weight"].shape == (1280, 2816)
     assert mini[UNET_PREFIX + "input_blocks.4.1.proj_in.weight"].shape == (320, 320)  # linear, not 1x1 conv
+
+
+# --- LoRA ------------------------------------------------------------------------------------
+
+
+def _kohya_targets(name: str) -> dict[str, tuple[int, ...]]:
+    """Every 2-D weight in the UNet's transformer blocks and the text encoders' layers, under kohya's
+    key (what ComfyUI's comfy/lora.py maps): ``lora_unet_`` + the LDM key with dots as underscores;
+    ``lora_te_`` (``lora_te1_``/``lora_te2_`` with two encoders) + transformers' key, which is what
+    ComfyUI converts OpenCLIP's fused CLIP-G layers to."""
+    cfg = checkpoint_config(name)
+    targets = {
+        "lora_unet_" + key.removesuffix(".weight").replace(".", "_"): spec.shape
+        for key, spec in unet_ldm_specs(cfg.unet).items()
+        if ".transformer_blocks." in key and key.endswith(".weight") and len(spec.shape) == 2
+    }
+    for index, text in enumerate(cfg.text_encoders):
+        prefix = "lora_te" if len(cfg.text_encoders) == 1 else f"lora_te{index + 1}"
+        for key, spec in clip_text_specs(text).items():
+            if key.startswith("text_model.encoder.layers.") and key.endswith(".weight") and len(spec.shape) == 2:
+                targets[f"{prefix}_{key.removesuffix('.weight').replace('.', '_')}"] = spec.shape
+    return targets
+
+
+@pytest.mark.parametrize("name", ["tiny", "sdxl-tiny", "sdxl-mini"])
+def test_lora_adapts_every_transformer_linear_under_kohya_s_keys(name):
+    rank = 3
+    specs = lora_specs(name, rank)
+    layers = {key.removesuffix(".alpha") for key in specs if key.endswith(".alpha")}
+    assert set(specs) == {f"{layer}.{part}" for layer in layers for part in ("lora_down.weight", "lora_up.weight", "alpha")}
+    targets = _kohya_targets(name)
+    assert layers == set(targets)
+    for layer in layers:
+        out_features, in_features = targets[layer]
+        assert specs[f"{layer}.lora_down.weight"].shape == (rank, in_features)
+        assert specs[f"{layer}.lora_up.weight"].shape == (out_features, rank)
+        assert specs[f"{layer}.alpha"].shape == ()
+    if name.startswith("sdxl"):
+        assert any(layer.startswith("lora_te2_") for layer in layers) and not any(layer.startswith("lora_te_") for layer in layers)
+
+
+def test_write_lora_is_deterministic_and_changes_weights_by_half_their_scale(tmp_path):
+    first = write_lora("sdxl-tiny", tmp_path / "a.safetensors", rank=8, seed=1, dtype="fp32")
+    second = write_lora("sdxl-tiny", tmp_path / "b.safetensors", rank=8, seed=1, dtype="fp32")
+    assert first.path.read_bytes() == second.path.read_bytes()
+    assert first.tensor_count == len(lora_specs("sdxl-tiny", 8))
+    lora = load_file(first.path)
+    with safe_open(str(first.path), "pt") as file:
+        assert file.metadata()["sdopt_lora_for"] == "sdxl-tiny" and file.metadata()["ss_network_dim"] == "8"
+
+    layer = "lora_unet_input_blocks_3_1_transformer_blocks_0_attn2_to_k"
+    weight = load_file(write_checkpoint("sdxl-tiny", tmp_path / "model.safetensors", dtype="fp32").path)[
+        UNET_PREFIX + "input_blocks.3.1.transformer_blocks.0.attn2.to_k.weight"
+    ]
+    delta = lora[f"{layer}.lora_up.weight"] @ lora[f"{layer}.lora_down.weight"] * (lora[f"{layer}.alpha"] / 8)
+    assert delta.shape == weight.shape
+    assert (delta.std() / weight.std()).item() == pytest.approx(0.5, rel=0.25)
+
+
+def test_lora_rank_below_one_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="rank must be at least 1"):
+        write_lora("tiny", tmp_path / "lora.safetensors", rank=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_make_lora_writes_the_file(tmp_path, capsys):
+    out = tmp_path / "loras" / "lora.safetensors"
+    assert cli.main(["make-lora", "sdxl-tiny", "--out", str(out), "--rank", "2"]) == 0
+    assert f"rank-2 LoRA for sdxl-tiny (SDXL), {len(_kohya_targets('sdxl-tiny'))} layers" in capsys.readouterr().out
+    assert set(load_file(out)) == set(lora_specs("sdxl-tiny", 2))
 
 
 # --- errors and the CLI ----------------------------------------------------------------------
