@@ -19,7 +19,8 @@ def close(out, reference):
 
 @contextlib.contextmanager
 def feedforward_tokens():
-    """The token counts every FeedForward module is called with (its input's second-to-last dim)."""
+    """The token counts every FeedForward module is called with (its input's second-to-last dim):
+    a sliced module is called with all its tokens, then with each slice."""
     seen = []
 
     def hook(module, args):
@@ -59,7 +60,7 @@ def test_low_memory_sampling_matches_stock_and_leaves_the_model_alone(family_hos
     has_y = family_host.model_family.call.vector is not None
     assert calls and all(call == (1, 1, 1 if has_y else None) for call in calls), "cond and uncond one at a time, y split with them"
     over_budget = 2 * 2560 * max(stock_tokens) * 4 > 2**20  # GEGLU activations of the widest feed-forward, fp32
-    assert (max(tokens) < max(stock_tokens)) == over_budget, "feed-forwards over the budget ran over token slices"
+    assert (set(tokens) != set(stock_tokens)) == over_budget, "feed-forwards over the budget ran over token slices too"
     records = {r["node"]: r for r in family_host.glue.model_records(patched.model_options)}
     assert records["SDOptLowMemory"]["active"] == "budget 1 MiB, sub_quadratic attention, sequential cfg, chunked GroupNorm/conv/feed-forward"
     assert "family unknown" not in records["SDOptLowMemory"]["note"]
