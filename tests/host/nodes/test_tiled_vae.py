@@ -177,3 +177,29 @@ def test_composes_with_vae_precision_and_attention(comfy_host, vae, latent, refe
     assert found["SDOptVAEAttention"]["active"].startswith("sub_quadratic")
     assert found["SDOptVAEPrecision"]["requested"] == "dtype=default, nan_guard=on"
     assert torch.equal(decode(vae, latent), reference)
+
+
+# --- SDXL: its VAE's activations pass fp16's range, so the fp16 store keeps those tiles in fp32 ---
+
+
+@pytest.fixture(scope="module")
+def sdxl_vae(comfy_host):
+    return comfy_host.family("sdxl").load_checkpoint()[2]
+
+
+def test_sdxl_decode_and_encode_tile_like_untiled(comfy_host, sdxl_vae, latent, pixels, prompt_context):
+    """Kept intermediates hold the mid block's conv1 output, which passes fp16's range on SDXL's VAE:
+    those tile values are kept in fp32, the image still matches, and the record counts them."""
+    reference, encoded = decode(sdxl_vae, latent), encode(sdxl_vae, pixels)
+    assert torch.isfinite(reference).all()
+    patched = tiled(comfy_host, sdxl_vae)
+    out = decode(patched, latent)
+    assert out.shape == reference.shape and psnr(out, reference) >= MIN_PSNR_DB
+    active = records(comfy_host, prompt_context)[NODE]["active"]
+    assert active.startswith(f"decode: tiled {TILE} px, 2x3 = 6 tiles, ")
+    # At 128x192 px keeping the intermediates fits any free RAM, so auto keeps them.
+    assert "kept intermediates" in active and "stored tile values past fp16's range kept in fp32" in active, active
+    latents = encode(patched, pixels)
+    assert ((latents - encoded).norm() / encoded.norm()).item() <= LATENT_REL_TOL
+    assert "encode: tiled 64 px, 2x3 = 6 tiles" in records(comfy_host, prompt_context)[NODE]["active"]
+    assert torch.equal(decode(sdxl_vae, latent), reference), "the input VAE decodes exactly as before"

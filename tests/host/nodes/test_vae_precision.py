@@ -185,3 +185,41 @@ def test_record_survives_a_cached_vae_node(comfy_host):
         records = {o["node"]: o for o in outcome.report.optimizations}
         assert records[NODE]["requested"] == "dtype=default, nan_guard=on"
         assert records["SDOptVAEAttention"]["active"].startswith("sub_quadratic")
+
+
+# --- SDXL: the generated SDXL VAE overflows fp16 as the real one does (decoder.mid.block_1.conv1) ---
+
+# fp16 convolutions are very slow on this CPU: a 2x2 latent (16x16 px) already overflows.
+SDXL_LATENT = 2
+
+
+@pytest.fixture(scope="module")
+def sdxl_vae(comfy_host):
+    return comfy_host.family("sdxl").load_checkpoint()[2]
+
+
+def test_nan_guard_catches_the_sdxl_vaes_fp16_overflow(comfy_host, sdxl_vae, device):
+    """No weights changed by the test: the SDXL checkpoint's own VAE gives NaN in fp16; the guard
+    redoes the decode in a safer dtype, counts it, and the input VAE stays in its dtype."""
+    from comfy_execution.utils import CurrentNodeContext
+
+    latent = torch.randn(1, 4, SDXL_LATENT, SDXL_LATENT, generator=torch.Generator().manual_seed(0))
+    dtype_before, stored_before = sdxl_vae.vae_dtype, stored_dtypes(sdxl_vae.first_stage_model)
+    reference = decode(sdxl_vae, latent)
+    assert torch.isfinite(reference).all()
+    node = comfy_host.nodes[NODE]()
+
+    with CurrentNodeContext("test-sdxl-unguarded", "1"):
+        unguarded = decode(node.apply(sdxl_vae, "fp16", False)[0], latent)
+    assert not torch.isfinite(unguarded).all(), "the SDXL VAE's fp16 decode overflows"
+
+    safer = dtype_name(comfy_host.pack("optim.precision").safe_dtype(torch.float16, device))
+    with CurrentNodeContext("test-sdxl-guarded", "1"):
+        out = decode(node.apply(sdxl_vae, "fp16", True)[0], latent)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference) < VAE_REL_TOL
+    record = prompt_records(comfy_host, "test-sdxl-guarded")[NODE]
+    assert record["active"] == f"fp16 (NaN guard redid 1 decode in {safer})"
+    assert record["note"] == f"last decode: NaN/Inf in fp16; redone in {safer}"
+    assert sdxl_vae.vae_dtype == dtype_before and stored_dtypes(sdxl_vae.first_stage_model) == stored_before
+    assert torch.equal(decode(sdxl_vae, latent), reference), "the input VAE decodes exactly as before"
