@@ -52,8 +52,8 @@ _LOGIT_SCALE = math.log(100.0)
 # GroupNorm, which divides the scale out again, so fp32 and bf16 decode as if unscaled, while values
 # near 2**16 times their unit scale pass fp16's maximum (65504), as in the real SDXL VAE. A power of
 # two keeps the fp16 file an exact scaled copy of the unscaled weights' rounding.
-_FP16_OVERFLOW_CONV = "decoder.mid.block_1.conv1"
-_FP16_OVERFLOW_SCALE = 2.0**16
+FP16_OVERFLOW_CONV = "decoder.mid.block_1.conv1"
+FP16_OVERFLOW_SCALE = 2.0**16
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -296,7 +296,7 @@ def vae_ldm_specs(cfg: VAEConfig) -> dict[str, TensorSpec]:
     b.norm("decoder.norm_out", channels)
     b.conv("decoder.conv_out", cfg.out_channels, channels, 3)
     if cfg.fp16_overflow:
-        b.scale(_FP16_OVERFLOW_CONV, _FP16_OVERFLOW_SCALE)
+        b.scale(FP16_OVERFLOW_CONV, FP16_OVERFLOW_SCALE)
     return b.specs
 
 

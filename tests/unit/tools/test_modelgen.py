@@ -394,9 +394,9 @@ def _tiny_vae(checkpoint: dict[str, torch.Tensor], name: str) -> AutoencoderKL:
 def test_sdxl_vae_overflows_fp16_and_decodes_as_unscaled_in_fp32_and_bf16(sdxl_tiny_checkpoint):
     overflowing = _tiny_vae(sdxl_tiny_checkpoint, "sdxl-tiny")
     # The same VAE with the scaled conv scaled back: what the decoder computes without the overflow.
-    scaled = {VAE_PREFIX + modelgen._FP16_OVERFLOW_CONV + suffix for suffix in (".weight", ".bias")}
+    scaled = {VAE_PREFIX + modelgen.FP16_OVERFLOW_CONV + suffix for suffix in (".weight", ".bias")}
     plain_weights = {
-        key: value / modelgen._FP16_OVERFLOW_SCALE if key in scaled else value for key, value in sdxl_tiny_checkpoint.items()
+        key: value / modelgen.FP16_OVERFLOW_SCALE if key in scaled else value for key, value in sdxl_tiny_checkpoint.items()
     }
     plain = _tiny_vae(plain_weights, "sdxl-tiny")
     assert sdxl_tiny_checkpoint[next(iter(scaled))].abs().max() > 100  # the file really holds the large conv
@@ -452,23 +452,22 @@ def test_sdxl_configs_are_what_comfyui_detects(name):
 def test_sdxl_full_manifest_has_sdxl_s_sizes_and_mini_keeps_the_full_text_encoders_and_vae():
     full, mini = (checkpoint_specs(name) for name in ("sdxl-full", "sdxl-mini"))
     sd15 = checkpoint_specs("full")
-    part = lambda specs, prefix: {key: spec for key, spec in specs.items() if key.startswith(prefix)}  # noqa: E731
     # SDXL's UNet is 2,567,463,684 parameters (ComfyUI builds the same from its detection, above);
     # OpenCLIP ViT-bigG's text tower 694,659,840 plus its logit_scale.
-    assert param_count(part(full, UNET_PREFIX)) == 2_567_463_684
-    assert param_count(part(full, CLIP_G.prefix)) == 694_659_841
+    assert param_count(_part(full, UNET_PREFIX)) == 2_567_463_684
+    assert param_count(_part(full, CLIP_G.prefix)) == 694_659_841
     assert full[CLIP_G.prefix + "text_projection"].shape == (1280, 1280)
     assert full[CLIP_G.prefix + "transformer.resblocks.31.attn.in_proj_weight"].shape == (3 * 1280, 1280)
     # CLIP-L and the VAE have SD1.5's shapes, under SDXL's prefix for CLIP-L.
-    assert {key.removeprefix(CLIP_L.prefix): spec.shape for key, spec in part(full, CLIP_L.prefix).items()} == {
-        key.removeprefix(TEXT_ENCODER_PREFIX): spec.shape for key, spec in part(sd15, TEXT_ENCODER_PREFIX).items()
+    assert {key.removeprefix(CLIP_L.prefix): spec.shape for key, spec in _part(full, CLIP_L.prefix).items()} == {
+        key.removeprefix(TEXT_ENCODER_PREFIX): spec.shape for key, spec in _part(sd15, TEXT_ENCODER_PREFIX).items()
     }
-    assert {key: spec.shape for key, spec in part(full, VAE_PREFIX).items()} == {
-        key: spec.shape for key, spec in part(sd15, VAE_PREFIX).items()
+    assert {key: spec.shape for key, spec in _part(full, VAE_PREFIX).items()} == {
+        key: spec.shape for key, spec in _part(sd15, VAE_PREFIX).items()
     }
     for prefix in (CLIP_L.prefix, CLIP_G.prefix, VAE_PREFIX):
-        assert part(mini, prefix) == part(full, prefix)
-    assert param_count(part(mini, UNET_PREFIX)) == 188_130_884
+        assert _part(mini, prefix) == _part(full, prefix)
+    assert param_count(_part(mini, UNET_PREFIX)) == 188_130_884
     assert mini[UNET_PREFIX + "label_emb.0.0.weight"].shape == (1280, 2816)
     assert mini[UNET_PREFIX + "input_blocks.4.1.proj_in.weight"].shape == (320, 320)  # linear, not 1x1 conv
 
