@@ -1,8 +1,8 @@
-"""SDOptPrecision in real ComfyUI, on the mini checkpoint.
+"""SDOptPrecision in real ComfyUI, on each family's mini checkpoint (SD1.5, SDXL).
 
-Two sampling steps at 64x64 with the original model and with patched clones: outputs stay finite
-and close to fp32, and the original model (shared, like ComfyUI's cache shares it) is
-bit-identical afterwards. Chained nodes end with the second one's settings, wrappers and record;
+Two sampling steps at 64x64 with the original model and with patched clones (every dtype, auto and
+channels-last on both families): outputs stay finite and close to fp32, and the original model
+(shared, like ComfyUI's cache shares it) is bit-identical afterwards. Chained nodes end with the second one's settings, wrappers and record;
 ``auto`` records what it picked and why.
 """
 import pytest
@@ -86,11 +86,12 @@ def _cases(device):
     }
 
 
-@pytest.fixture(scope="module")
-def runs(comfy_host, checkpoint, device, glue):
-    """Sample with the original, every patched clone, then the original again."""
-    model = checkpoint[0]
-    node = comfy_host.nodes[NODE]()
+@pytest.fixture(scope="module", params=["sd15", "sdxl"])
+def runs(comfy_host, device, glue, request):
+    """Sample one family's mini model with the original, every patched clone, then the original again."""
+    host = comfy_host.family(request.param)
+    model = host.load_checkpoint()[0]
+    node = host.nodes[NODE]()
     original = {
         "dtypes": stored_dtypes(model.model.diffusion_model),
         "model_dtype": model.model_dtype(),
@@ -98,18 +99,19 @@ def runs(comfy_host, checkpoint, device, glue):
         "wrappers": {kind: dict(keys) for kind, keys in model.wrappers.items()},
         "options": set(model.model_options),
     }
-    reference = comfy_host.sample(model)
+    reference = host.sample(model)
     flags_before = _tf32_flags()
     results = {}
     for name, (tol_key, inputs) in _cases(device).items():
         patched = node.patch(model, **inputs)[0]
-        out, seen = sample_with_spy(comfy_host, patched)
+        out, seen = sample_with_spy(host, patched)
         results[name] = dict(inputs=inputs, tol=REL_TOL[tol_key], model=patched, out=out, seen=seen)
     return dict(
+        host=host,
         model=model,
         original=original,
         reference=reference,
-        again=comfy_host.sample(model),
+        again=host.sample(model),
         flags_before=flags_before,
         flags_after=_tf32_flags(),
         results=results,
@@ -136,7 +138,7 @@ def test_patched_output_is_finite_and_close_to_fp32(runs, case):
     result = runs["results"][name]
     err = rel_err(result["out"], runs["reference"])
     assert torch.isfinite(result["out"]).all(), name
-    assert err < result["tol"], f"{name}: relative error {err:.3g}"
+    assert err < result["tol"], f"{runs['host'].model_family.title}, {name}: relative error {err:.3g}"
     assert err > 0, f"{name}: the output did not change, so the precision did not apply"
 
 
@@ -240,8 +242,14 @@ FIRST_SECOND = {
 }
 
 
+@pytest.fixture(scope="module")
+def sd15_reference(comfy_host, checkpoint):
+    """The SD1.5 mini's stock latent and the TF32 flags outside sampling."""
+    return dict(reference=comfy_host.sample(checkpoint[0]), flags_before=_tf32_flags())
+
+
 @pytest.mark.parametrize("chain", list(FIRST_SECOND))
-def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint, runs, glue, chain):
+def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint, sd15_reference, glue, chain):
     first_inputs, second_inputs, first_wrappers, second_wrappers = FIRST_SECOND[chain]
     model, node = checkpoint[0], comfy_host.nodes[NODE]()
     (first,) = node.patch(model, **first_inputs)
@@ -257,19 +265,19 @@ def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint,
 
     out, seen = sample_with_spy(comfy_host, second)
     assert torch.isfinite(out).all()
-    assert seen["tf32"] == ((True, True) if second_inputs["tf32"] else runs["flags_before"])
+    assert seen["tf32"] == ((True, True) if second_inputs["tf32"] else sd15_reference["flags_before"])
     assert not seen["x_channels_last"], "the second node asked for no channels-last activations"
     if second_inputs["weight_dtype"] == "fp32":
         assert record["active"] == "weight=fp32, compute=fp32"
         assert stored_dtypes(second.model.diffusion_model) == {torch.float32}
         assert stored_dtypes(first.model.diffusion_model) == {torch.bfloat16}, "the first node's copy is left as it is"
         assert seen["x_dtype"] == torch.float32
-        assert torch.equal(out, runs["reference"]), "fp32 from the original weights, not from the bf16 copy"
+        assert torch.equal(out, sd15_reference["reference"]), "fp32 from the original weights, not from the bf16 copy"
     else:
         first_dtype = dtype_name(first.model_dtype())
         assert record["active"] == f"weight={first_dtype}, compute={first_dtype}, tf32"
         assert second.model is first.model, "default keeps the first node's weights, shared"
-    assert torch.equal(comfy_host.sample(model), runs["reference"]), "the original model is unchanged"
+    assert torch.equal(comfy_host.sample(model), sd15_reference["reference"]), "the original model is unchanged"
 
 
 CHAINS = {
@@ -297,9 +305,9 @@ def test_weight_dtype_is_auto_by_default_and_offers_every_dtype(comfy_host):
     assert spec["default"] == "auto"
 
 
-def test_auto_records_what_it_picked_and_why(comfy_host, checkpoint, device, runs, glue):
+def test_auto_records_what_it_picked_and_why(comfy_host, device, runs, glue):
     precision = comfy_host.pack("optim.precision")
-    model = checkpoint[0]
+    model = runs["model"]
     (patched,) = comfy_host.nodes[NODE]().patch(model, "auto", "default", False, False)
     pick = precision.pick_dtype(device)  # cached: the pick the node made
     picked = dtype_name(pick.dtype)
@@ -321,10 +329,10 @@ def test_auto_records_what_it_picked_and_why(comfy_host, checkpoint, device, run
 
     assert stored_dtypes(patched.model.diffusion_model) == {pick.dtype}
     assert (patched.model is model.model) == (pick.dtype == model.model_dtype()), "a private copy only for a new dtype"
-    out = comfy_host.sample(patched)
+    out = runs["host"].sample(patched)
     assert torch.isfinite(out).all()
     assert rel_err(out, runs["reference"]) < REL_TOL[picked]
-    assert torch.equal(comfy_host.sample(model), runs["reference"])
+    assert torch.equal(runs["host"].sample(model), runs["reference"])
 
 
 def test_weight_copy_carries_weight_patches_once(comfy_host, checkpoint):
