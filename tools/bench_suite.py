@@ -46,7 +46,7 @@ from ..measure.report import markdown_table
 
 PHASE_LIMIT_S = 9 * 60
 SUITE_LIMIT_S = 40 * 60
-DRY_PHASE_LIMIT_S = 5 * 60
+DRY_PHASE_LIMIT_S = 10 * 60
 REPO = Path(__file__).resolve().parents[1]
 SUITE_MD, SUITE_JSON = "suite.md", "suite.json"
 GIB = 2**30
@@ -59,6 +59,7 @@ COMPETITORS = ["stock", "compile+graph+channels_last", "TorchCompileModel", "dif
 SDXL_LADDER = ["stock", "attention", "compile+graph+channels_last", "TorchCompileModel"]
 COMPILING = ("compile", "compile+graph", "compile+graph+channels_last", "TorchCompileModel", "diffusers+compile")
 CPU_COMPILE_SKIP = "left out of the dry run: each compile of the UNet takes a minute or more on a CPU"
+DRY_PRECISION_SKIP = "left out of the dry run: the attention rung runs the same Precision node beneath it"
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,10 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
     speed = {"size": 64, "steps": 2, "rounds": 1} if dry_run else {"size": 512, "steps": 20, "rounds": 3}
 
     def skip_rungs(rungs):
-        return {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING} if dry_run else {}
+        if not dry_run:
+            return {}
+        skipped = {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING}
+        return {**skipped, "precision": DRY_PRECISION_SKIP} if "precision" in rungs else skipped
     phases = [
         Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 240),
         Phase(2, "doctor", "sdopt doctor", "run_doctor", 45, {"comfyui": comfyui}),
@@ -109,15 +113,17 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
               {"tokens": [64, 256], "dtype": "fp32", "device": "cpu"} if dry_run else
               {"tokens": [1024, 4096, 16384], "dtype": "fp16", "device": "cuda"}),
         Phase(7, "vae", "VAE decode on the device, with an injected out-of-memory retry", "run_vae", 90,
-              {"model": "tiny", "sizes": [128, 256], "budget_mb": 64} if dry_run else {"model": "full", "sizes": [1024, 2048, 4096], "budget_mb": 1024}),
+              {"model": "tiny", "sizes": [128], "budget_mb": 64} if dry_run else {"model": "full", "sizes": [1024, 2048, 4096], "budget_mb": 1024}),
     ]
     for number, cap, sizes, offload_mb, budget in ((8, 8, [1024, 2048, 4096], 1024, 240), (9, 4, [1024, 2048, 3072], 1024, 150),
                                                    (10, 2, [512, 1024, 2048], 0, 150)):
-        options = {**common, "model": model, "sizes": [64, 128] if dry_run else sizes, "steps": 2 if dry_run else 4,
+        options = {**common, "model": model, "sizes": [64] if dry_run else sizes, "steps": 2 if dry_run else 4,
                    "vram_cap_gib": cap, "offload_mb": offload_mb}
         phases.append(Phase(number, f"res-{cap}gib", f"bench resolutions with VRAM capped at {cap} GiB", "run_resolutions", budget, options))
     phases.append(Phase(11, "offload", "sdopt Offload: residency, speed and output per mode", "run_offload", 150,
-                        {**common, "model": model, "size": 64 if dry_run else 512, "steps": 2 if dry_run else 20}))
+                        {**common, "model": model, "size": 64 if dry_run else 512, "steps": 2 if dry_run else 20, "warm_up": not dry_run,
+                         # on a CPU every mode is the same no-op: two show the table's making
+                         "modes": [OFFLOAD_MODES[0], OFFLOAD_MODES[3]] if dry_run else list(OFFLOAD_MODES)}))
     if dry_run:
         phases[4] = replace(phases[4], skip="left out of the dry run: generating and loading an SDXL checkpoint takes minutes on a CPU")
     elif not _sdxl_known(sdxl_model):
@@ -199,7 +205,8 @@ def _run_child(out: Path, phase: Phase, limit_s: float) -> PhaseOutcome:
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as capture:
         try:
-            done = subprocess.run(command, stdout=capture, stderr=subprocess.STDOUT, text=True, timeout=limit_s, cwd=REPO)
+            # cwd: not the pack's folder, whose subfolders (nodes, tools...) would shadow ComfyUI's modules
+            done = subprocess.run(command, stdout=capture, stderr=subprocess.STDOUT, text=True, timeout=limit_s, cwd=out)
             status = DONE if done.returncode == 0 else FAILED
             error = "" if status == DONE else f"exit status {done.returncode}"
         except subprocess.TimeoutExpired:
@@ -235,21 +242,22 @@ def write_phase(out: Path, phase: Phase, result: dict, seconds: float) -> None:
 
 
 def write_suite(out: Path, outcomes: list[PhaseOutcome] = ()) -> None:
-    """``suite.md`` (an index, then every phase's section present in ``out``) and ``suite.json``; the
-    phases run before, in other invocations, keep their entries."""
-    index_path = out / SUITE_JSON
-    entries = {e["number"]: e for e in json.loads(index_path.read_text()).get("phases", [])} if index_path.exists() else {}
-    for outcome in outcomes:
-        entries[outcome.number] = asdict(outcome)
+    """``suite.md`` (an index, then every phase's section present in ``out``) and ``suite.json``, from the
+    phase files in ``out`` (those of earlier runs, or gathered from several, too); ``outcomes`` add this
+    run's errors."""
+    errors = {outcome.number: outcome.error for outcome in outcomes}
+    entries, devices = [], {}
     for path in sorted(out.glob("[0-9][0-9]-*.json")):
         data = json.loads(path.read_text())
-        entries.setdefault(data["phase"], {"number": data["phase"], "name": data["name"], "title": data["title"],
-                                           "status": data["status"], "seconds": data["seconds"], "skipped": data["skipped"]})
-    ordered = [entries[n] for n in sorted(entries)]
-    _write_whole(index_path, json.dumps({"device": _device_text(), "phases": ordered}, indent=2))
-    rows = [[e["number"], e["name"], e["status"], f"{e['seconds']:.0f}", skip_summary(e["skipped"])] for e in ordered]
+        devices[data["device"]] = None
+        entries.append({"number": data["phase"], "name": data["name"], "title": data["title"], "status": data["status"],
+                        "seconds": data["seconds"], "skipped": data["skipped"], "device": data["device"],
+                        "files": sorted(p.name for p in out.glob(f"{path.stem}*")), "error": errors.get(data["phase"], "")})
+    _write_whole(out / SUITE_JSON, json.dumps({"devices": list(devices), "phases": entries}, indent=2))
+    rows = [[e["number"], e["name"], e["status"], f"{e['seconds']:.0f}", skip_summary(e["skipped"])] for e in entries]
     sections = [path.read_text() for path in sorted(out.glob("[0-9][0-9]-*.md"))]
-    text = ["# sdopt GPU suite", "", *markdown_table(["phase", "name", "status", "seconds", "skipped (why)"], rows, right={0, 3}), "", *sections]
+    text = ["# sdopt GPU suite", "", f"Device: {'; '.join(devices) or _device_text()}.", "",
+            *markdown_table(["phase", "name", "status", "seconds", "skipped (why)"], rows, right={0, 3}), "", *sections]
     _write_whole(out / SUITE_MD, "\n".join(text))
 
 
@@ -462,17 +470,17 @@ OFFLOAD_MODES = (("none", 0), ("budget", 1024), ("budget", 256), ("sequential", 
 
 
 def run_offload(out: Path, phase: Phase) -> dict:
-    import comfy.model_management
-    import comfy.patcher_extension
-    import comfy.sd
-    import nodes as comfy_nodes
-
     from .bench_speed import PROMPT, optimization_notes, pixel_difference, profiled_sample, timed_decode
     from .bench_unet import checkpoint_path
     from .headless import boot
 
     options = phase.options
-    host = boot(options["comfyui"] or os.environ.get("COMFYUI_PATH"))
+    host = boot(options["comfyui"] or os.environ.get("COMFYUI_PATH"))  # puts ComfyUI's modules on the path
+    import comfy.model_management
+    import comfy.patcher_extension
+    import comfy.sd
+    import nodes as comfy_nodes
+
     models = Path(options["models"]) if options["models"] else Path(host.path) / "models"
     base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(checkpoint_path(options["model"], models)), output_vae=True, output_clip=True)
     encode = comfy_nodes.CLIPTextEncode().encode
@@ -480,7 +488,7 @@ def run_offload(out: Path, phase: Phase) -> dict:
     latent = {"samples": torch.zeros(1, 4, options["size"] // 8, options["size"] // 8)}
     offload = host.node_classes["SDOptOffload"]()
     rows, images = [], {}
-    for mode, budget in OFFLOAD_MODES:
+    for mode, budget in options["modes"]:
         seen = {}
 
         def residency(executor, *args, **kwargs):
@@ -493,8 +501,9 @@ def run_offload(out: Path, phase: Phase) -> dict:
         label = mode + (f" {budget} MiB" if mode == "budget" else "")
         comfy.model_management.unload_all_models()
         with torch.inference_mode():
-            profiled_sample(host, model, label, latent, conds, options["steps"])  # warm-up: load, caches
-            comfy.model_management.unload_all_models()
+            if options["warm_up"]:  # a first prompt pays for loading and for cuDNN's and the allocator's first calls
+                profiled_sample(host, model, label, latent, conds, options["steps"])
+                comfy.model_management.unload_all_models()
             samples, run, wall = profiled_sample(host, model, label, latent, conds, options["steps"])
             images[label] = timed_decode(vae, samples)[0]
         largest, mean = pixel_difference(images[label], images["none"])

@@ -69,9 +69,11 @@ def test_dry_run_is_the_same_plan_at_tiny_sizes_and_says_what_it_leaves_out(sdxl
     named = by_name(dry)
     assert named["speed"].options["model"] == "mini" and named["speed"].options["size"] == 64
     assert named["speed"].options["rungs"] == full[2].options["rungs"]
-    assert set(named["speed"].options["skip_rungs"]) == {"compile", "compile+graph", "compile+graph+channels_last", "TorchCompileModel"}
+    assert set(named["speed"].options["skip_rungs"]) == {"compile", "compile+graph", "compile+graph+channels_last", "TorchCompileModel", "precision"}
+    assert named["offload"].options["modes"] == [("none", 0), ("sequential", 0)] and len(by_name(full)["offload"].options["modes"]) == 5
     assert "diffusers+compile" in named["competitors"].options["skip_rungs"]
     assert all("minute" in why for why in named["competitors"].options["skip_rungs"].values())
+    assert "precision" not in named["competitors"].options["skip_rungs"]
     assert max(max(p.options.get("sizes", [0])) for p in dry) <= 256
     assert named["attention"].options["device"] == "cpu" and named["vae"].options["model"] == "tiny"
     assert named["speed-sdxl"].skip and "dry run" in named["speed-sdxl"].skip
