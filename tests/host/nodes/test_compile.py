@@ -55,10 +55,11 @@ def close(out, reference):
     return (out - reference).abs().max().item() <= REL_TOL * reference.abs().max().item()
 
 
-# SDXL's whole-UNet compile is held to stock by the LoRA test below, which starts with it
+# SDXL's whole-UNet compile is held to stock by the LoRA test below, which starts with it; its regional
+# compile (20 compilations, about 13 minutes on 2 cores) is left to `bench speed --model sdxl-mini`.
 @pytest.mark.parametrize("family,mode,backend", [
     ("sd15", "compile", "inductor"), ("sd15", "compile_regional", "inductor"), ("sd15", "trace", "inductor"),
-    ("sdxl", "compile_regional", "aot_eager"), ("sdxl", "trace", "inductor"),
+    ("sdxl", "trace", "inductor"),
 ])
 def test_compiled_sampling_matches_stock_and_leaves_the_model_alone(request, comfy_host, family, mode, backend):
     torch._dynamo.reset()  # dynamo caches per code object: an earlier test's frames would be reused
