@@ -56,7 +56,7 @@ def close(out, reference):
 
 
 # SDXL's whole-UNet compile is held to stock by the LoRA test below, which starts with it; its regional
-# compile (20 compilations, about 13 minutes on 2 cores) is left to `bench speed --model sdxl-mini`.
+# compile is not run in this tier: its 20 compilations take about 13 minutes on 2 cores.
 @pytest.mark.parametrize("family,mode,backend", [
     ("sd15", "compile", "inductor"), ("sd15", "compile_regional", "inductor"), ("sd15", "trace", "inductor"),
     ("sdxl", "trace", "inductor"),
