@@ -426,7 +426,6 @@ def run_vae(out: Path, phase: Phase) -> dict:
                              "psnr_vs_untiled_db": None if reference is None else psnr(result.float().cpu(), reference.float().cpu())})
                 if injected and stats.oom_retries < injected:
                     raise RuntimeError(f"the injected out-of-memory error at {size}² was not retried: {stats.describe()}")
-        del latent
     kind = "VRAM" if device.type == "cuda" else "RAM"
     table = markdown_table(
         ["size", "mode", "tile", "tiles", "OOM retries (tiles tried)", "seconds", f"peak {kind} MiB", "PSNR vs untiled dB"],

@@ -12,6 +12,7 @@ per step by ``measure.profiler.SamplingRun`` like ComfyUI's sampler is.
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +38,7 @@ class NoiseSchedule:
 
 def unavailable_reason(model: str) -> str | None:
     """Why the diffusers rungs cannot run for ``model``, or None."""
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("diffusers") is None:
         return "diffusers is not installed (pip install diffusers, or sdopt[diffusers])"
     from .modelgen import SIZES
 

@@ -8,7 +8,6 @@ import types
 import pytest
 import torch
 
-from sdopt.optim import attention as attention_module
 from sdopt.optim import compile as compile_module
 from sdopt.optim import cuda_graph as cuda_graph_module
 from sdopt.optim import precision as precision_module
