@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-# The checkpoints the example workflows load ({file: model name}), generated into $SDOPT_TEST_MODELS when absent.
-CHECKPOINTS = {"sdopt-mini-sd15.safetensors": "mini", "sdopt-mini-sdxl.safetensors": "sdxl-mini"}
+# The families whose mini checkpoints the example workflows load (generated into $SDOPT_TEST_MODELS when absent).
+WORKFLOW_FAMILIES = ("sd15", "sdxl")
 CHROMIUM = Path(os.environ.get("SDOPT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -91,11 +91,13 @@ def comfy_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("browser")
     checkpoints = Path(os.environ.get("SDOPT_TEST_MODELS") or root / "checkpoints")
+    from sdopt.families import FAMILIES
     from sdopt.tools.modelgen import write_checkpoint
 
-    for name, model in CHECKPOINTS.items():
-        if not (checkpoints / name).exists():
-            write_checkpoint(model, checkpoints / name, seed=0, dtype="fp16", progress=False)
+    for family in (FAMILIES[name] for name in WORKFLOW_FAMILIES):
+        checkpoint = checkpoints / family.checkpoint_filename("mini")
+        if not checkpoint.exists():
+            write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False)
     models = root / "models"
     models.mkdir()
     (models / "checkpoints").symlink_to(checkpoints.resolve(), target_is_directory=True)
