@@ -98,7 +98,8 @@ def test_baseline_run_shows_the_report_table_and_chart(comfy, comfy_server):
     (run,) = runs["rows"]
     assert run[:2] == ["baseline", "2"]
     assert run[runs["head"].index("warm-up steps")] == "–", "stock ComfyUI compiles nothing"
-    assert run[-1].endswith(("RAM", "VRAM"))
+    assert run[runs["head"].index("peak memory MiB")].endswith(("RAM", "VRAM"))
+    assert run[runs["head"].index("model")] == "SD1.5"
     assert any(row[1] == "KSampler" for row in tables["Nodes"]["rows"])
     assert comfy.page.locator(".sdopt-report .sdopt-cached").count() == 0
 
