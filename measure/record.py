@@ -11,17 +11,19 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class OptimizationRecord:
-    """What one optimization node asked for, what really runs, and why they differ."""
+    """What one optimization node asked for, what really runs, and why they differ; ``short`` is
+    one line where the node did less than asked (a fallback, parts that ran eagerly), "" otherwise."""
 
     node: str
     requested: str
     active: str
     note: str = ""
+    short: str = ""
 
 
-def record(records: list[dict], node: str, requested: str, active: str, note: str = "") -> OptimizationRecord:
+def record(records: list[dict], node: str, requested: str, active: str, note: str = "", short: str = "") -> OptimizationRecord:
     """File a record into ``records`` in place, replacing the one of the same node (a node chained
     twice ends with the second one's settings), and return it."""
-    entry = OptimizationRecord(node, requested, active, note)
+    entry = OptimizationRecord(node, requested, active, note, short)
     records[:] = [r for r in records if r["node"] != node] + [asdict(entry)]
     return entry

@@ -112,20 +112,51 @@ def _warmup_steps(run: dict) -> str:
     return "; ".join(spent) or "-"
 
 
+# Nodes that compile, trace or graph the model: a run with them has an eager twin, a run of the same
+# nodes without them, whose steady rate the report shows beside its own.
+FAST_PATH_NODES = ("SDOptCompile", "SDOptCUDAGraph")
+SHORT_HEADER = "did less than asked"
+
+
+def _recipe(run: dict, leave_out=FAST_PATH_NODES) -> tuple:
+    return run.get("model_family"), sorted((o["node"], o["requested"]) for o in run.get("optimizations", []) if o["node"] not in leave_out)
+
+
+def eager_twin(run: dict, runs: list[dict]) -> dict | None:
+    """The last other run of ``runs`` with ``run``'s nodes and settings but no compile or graph node,
+    where ``run`` has one and the twin has a steady rate; None otherwise."""
+    if not any(o["node"] in FAST_PATH_NODES for o in run.get("optimizations", [])):
+        return None
+    twins = [other for other in runs if other is not run and other.get("steady_it_per_s")
+             and not any(o["node"] in FAST_PATH_NODES for o in other.get("optimizations", []))
+             and _recipe(other) == _recipe(run)]
+    return twins[-1] if twins else None
+
+
+def _beside_twin(run: dict, runs: list[dict]) -> str:
+    twin = eager_twin(run, runs)
+    if twin is None:
+        return "-"
+    rate = f"{twin['steady_it_per_s']:.2f} it/s ({twin['label']})"
+    return f"{rate}, {run['steady_it_per_s'] / twin['steady_it_per_s']:.2f}x" if run.get("steady_it_per_s") else rate
+
+
 def render_markdown(report: Report) -> str:
     lines = [f"sdopt profile: device {report.device}, torch {report.torch}, ComfyUI {report.comfyui or '-'}", ""]
     lines += [*report.notes, ""] if report.notes else []
     if not report.runs:
         lines.append("No sampling run was profiled (is SDOptProfiler on the MODEL path?).")
     else:
+        twins = any(eager_twin(run, report.runs) for run in report.runs)
         lines += markdown_table(
-            ["run", "steps", "first step s", "steady it/s", "warm-up steps", "sampler total s", "peak memory MiB", "model"],
+            ["run", "steps", "first step s", "steady it/s", "warm-up steps", "sampler total s", "peak memory MiB", "model"]
+            + (["eager twin's steady it/s"] if twins else []),
             [
                 [
                     run["label"], len(run["steps"]), f"{run['first_step_s']:.3f}", _steady(run), _warmup_steps(run),
                     f"{run['sampler_total_s']:.3f}", _memory(run["peak_memory_bytes"], run["memory_kind"], run.get("peak_outside_allocator_bytes")),
                     run.get("model_family") or "-",
-                ]
+                ] + ([_beside_twin(run, report.runs)] if twins else [])
                 for run in report.runs
             ],
             right={1, 2, 3, 5, 6},
@@ -133,9 +164,11 @@ def render_markdown(report: Report) -> str:
     records = [(run["label"], o) for run in report.runs for o in run.get("optimizations", [])]
     records += [("(outside sampling)", o) for o in report.optimizations]
     if records:
+        short = any(o.get("short") for _, o in records)
         lines += ["", *markdown_table(
-            ["run", "optimization", "requested", "active", "note"],
-            [[label, o["node"], o["requested"], o["active"], o["note"]] for label, o in records],
+            ["run", "optimization", "requested", "active"] + ([SHORT_HEADER] if short else []) + ["note"],
+            [[label, o["node"], o["requested"], o["active"]] + ([o.get("short") or "-"] if short else []) + [o["note"]]
+             for label, o in records],
         )]
     if report.nodes:
         lines += ["", *markdown_table(

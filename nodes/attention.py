@@ -29,6 +29,17 @@ def attention_inputs(first: str, kind: str) -> dict:
     }}
 
 
+def shortfall(requested: str, active: str, delegated: bool = False) -> str:
+    """One line where attention ran other than asked: another backend, or ComfyUI's own for some calls."""
+    parts = []
+    ran = [name for name in active.split(", ") if name]
+    if requested != AUTO and ran and any(name != requested for name in ran):
+        parts.append(f"ran {active} instead of {requested}")
+    if delegated:
+        parts.append("some calls ran ComfyUI's own attention (custom scale or grouped-query)")
+    return "; ".join(parts)
+
+
 def configure(backend, on_unavailable, slice_size, memory_budget_mb, device) -> tuple[AttentionConfig, str, str]:
     """The config and the (active, note) known before any tensor exists."""
     config = AttentionConfig(backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_bytes=memory_budget_mb << 20)
@@ -66,11 +77,13 @@ class SDOptAttention:
         return attention_inputs("model", "MODEL")
 
     def patch(self, model, backend, on_unavailable, slice_size, memory_budget_mb):
+        glue.check_inputs(SDOptAttention, backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_mb=memory_budget_mb)
         m = model.clone()
         if not hasattr(glue.comfy_attention(), "wrap_attn"):
             if on_unavailable == "error":
                 raise UserError("backend: this ComfyUI has no per-model attention override (needs 0.3.60 or newer); update ComfyUI")
-            glue.record_model(m, NODE, backend, "ComfyUI default", "fallback: this ComfyUI has no per-model attention override (0.3.60+)")
+            glue.record_model(m, NODE, backend, "ComfyUI default", "fallback: this ComfyUI has no per-model attention override (0.3.60+)",
+                              "runs ComfyUI's own attention: this ComfyUI has no per-model override")
             return (m,)
         config, active, note = configure(backend, on_unavailable, slice_size, memory_budget_mb, model.load_device)
         attention, reported = build_attention(config), {"state": None, "delegated_in": None}
@@ -84,11 +97,12 @@ class SDOptAttention:
             state = (run, len(attention.decisions), reported["delegated_in"] is run)
             if state != reported["state"] and (state[1] or state[2]):
                 picked, why = summarize_decisions(attention.decisions) if state[1] else ("ComfyUI's own", "")
-                glue.record_in_run(NODE, backend, picked, "; ".join(filter(None, [why, DELEGATED if state[2] else ""])))
+                glue.record_in_run(NODE, backend, picked, "; ".join(filter(None, [why, DELEGATED if state[2] else ""])),
+                                   shortfall(backend, picked if state[1] else "", state[2]))
                 reported["state"] = state
 
         transformer_options = dict(m.model_options.get("transformer_options", {}))
         transformer_options[OVERRIDE_KEY] = comfy_attention_override(attention, report)
         m.model_options["transformer_options"] = transformer_options
-        glue.record_model(m, NODE, backend, active, note)
+        glue.record_model(m, NODE, backend, active, note, shortfall(backend, active))
         return (m,)

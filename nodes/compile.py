@@ -1,13 +1,72 @@
 """SDOptCompile (MODEL → MODEL): the UNet through torch.compile, regional compile or a trace.
 
 The node only configures the clone's fast path (``glue.FastPath``); compilation happens on the
-first sampling step, and the profiler report gives its count, time and guard-failure reasons.
+first sampling step, and the profiler report gives its count, time, guard-failure reasons, graph
+breaks and the functions torch gave up on. Where ComfyUI's own attention breaks torch.compile's
+graph (on a CPU it asks psutil for free memory on every call) and no attention override is set,
+the node runs attention through sdopt's sdpa itself, so that the UNet compiles as one graph; an
+sdopt Attention node before or after it chooses the backend instead.
 """
-from ..optim.compile import BACKENDS, COMPILE_MODES, MODES, CompileConfig, unavailable_reason
+import functools
+
+import torch
+
+from ..optim.attention import AttentionConfig, build_attention
+from ..optim.compile import BACKENDS, COMPILE_MODES, MODES, CompileConfig, graph_break_reasons, unavailable_reason
 from . import glue
+from .attention import OVERRIDE_KEY, comfy_attention_override
 
 NODE = "SDOptCompile"
 ON_UNAVAILABLE = ("fallback", "error")
+# The probe's attention call: small, and a head size every attention kernel takes.
+PROBE_TOKENS, PROBE_HEADS, PROBE_HEAD_DIM = 64, 2, 64
+ROUTE_MARK = "sdopt_compile_route"  # on the override Compile set: its (note, call count)
+
+
+@functools.lru_cache(maxsize=None)
+def host_attention_breaks(attention, device: str, dtype: torch.dtype) -> tuple[str, ...]:
+    """Why torch.compile cannot trace ComfyUI's ``attention`` on ``device`` in ``dtype`` as one
+    graph (its graph-break reasons); () where it can. Once per function, device and dtype."""
+    q = torch.randn(1, PROBE_TOKENS, PROBE_HEADS * PROBE_HEAD_DIM, device=device, dtype=dtype)
+    try:
+        return tuple(graph_break_reasons(attention, q, q, q, PROBE_HEADS, transformer_options={}))
+    except Exception as error:  # what cannot even run in a probe cannot run compiled either
+        return (f"it failed in a trial call ({type(error).__name__}: {error})",)
+
+
+def route_attention(m, config: CompileConfig) -> tuple[str, dict]:
+    """Where ComfyUI's attention breaks the graph and ``m`` has no attention override: sdopt's sdpa
+    set as ``m``'s override; (the note that says so, the override's call count), else ("", {})."""
+    try:
+        attention = glue.comfy_attention()
+    except ImportError:  # a host without ComfyUI's attention module: nothing of its to route
+        return "", {}
+    options = m.model_options.get("transformer_options", {})
+    earlier = getattr(options.get(OVERRIDE_KEY), ROUTE_MARK, None)
+    if earlier is not None:  # an earlier Compile node's route, still in force
+        return earlier
+    if config.mode == "trace" or OVERRIDE_KEY in options or not hasattr(attention, "wrap_attn"):
+        return "", {}
+    host = attention.optimized_attention
+    dtype = getattr(m.model, "manual_cast_dtype", None) or m.model_dtype()
+    reasons = host_attention_breaks(host, str(torch.device(m.load_device)), dtype)
+    if not reasons:
+        return "", {}
+    calls = {"eager": 0}
+
+    def count(delegated=False):
+        if not torch.compiler.is_compiling():  # counted on the eager first call of each input signature
+            calls["eager"] += 1
+
+    name = getattr(host, "__name__", "attention function")
+    note = (f"attention routed through sdopt's sdpa: ComfyUI's {name} breaks torch.compile's graph ({reasons[0]}); "
+            "an sdopt Attention node before or after Compile picks another backend")
+    override = comfy_attention_override(build_attention(AttentionConfig(backend="sdpa")), count)
+    setattr(override, ROUTE_MARK, (note, calls))
+    transformer_options = dict(options)
+    transformer_options[OVERRIDE_KEY] = override
+    m.model_options["transformer_options"] = transformer_options
+    return note, calls
 
 
 class SDOptCompile:
@@ -16,8 +75,9 @@ class SDOptCompile:
         "compile_regional (each repeated block class compiled and shared by its instances) or trace "
         "(torch.jit.trace). Steps, seed, sampler, scheduler, CFG and prompt never recompile; a new resolution "
         "compiles once. LoRA and other weight changes are used without recompiling. Compiled code is cached on "
-        "disk per architecture, torch version and settings (python -m sdopt cache list|purge). Put sdopt CUDA "
-        "Graph after or before it for the fast path."
+        "disk per architecture, torch version and settings (python -m sdopt cache list|purge). Where ComfyUI's "
+        "attention would split the compiled graph (on a CPU), attention runs through sdopt's sdpa unless an sdopt "
+        "Attention node sets it. Put sdopt CUDA Graph after or before it for the fast path."
     )
     CATEGORY = "sdopt"
     RETURN_TYPES = ("MODEL",)
@@ -36,12 +96,15 @@ class SDOptCompile:
         }}
 
     def patch(self, model, mode, backend, compile_mode, dynamic, fullgraph, on_unavailable):
+        glue.check_inputs(SDOptCompile, mode=mode, backend=backend, compile_mode=compile_mode, dynamic=dynamic, fullgraph=fullgraph, on_unavailable=on_unavailable)
         config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         reason, fix = unavailable_reason(config, model.load_device) or (None, "")
         fix += " (or set on_unavailable to fallback to run eager)"
         m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "backend", fix, compile_config=config)
         if path_note is not None:
+            routed, calls = route_attention(m, config)
+            glue.fast_path_of(m).notes[NODE] = lambda: routed if calls.get("eager") else ""
             how = "compiles on the first steps" if mode != "trace" else "traced per resolution; not frozen, since ComfyUI may patch weights in place"
-            glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, how])))
+            glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, how, routed])))
         return (m,)

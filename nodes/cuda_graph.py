@@ -32,6 +32,7 @@ class SDOptCUDAGraph:
         }}
 
     def patch(self, model, max_graphs, on_unavailable):
+        glue.check_inputs(SDOptCUDAGraph, max_graphs=max_graphs, on_unavailable=on_unavailable)
         config = GraphConfig(max_graphs=max_graphs)
         requested = f"max_graphs={max_graphs}, on_unavailable={on_unavailable}"
         reason = graphs_unavailable_reason(torch.device(model.load_device))

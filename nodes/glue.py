@@ -82,15 +82,55 @@ def model_records(model_options: dict) -> list[dict]:
     return model_options.get(RECORDS_KEY, [])
 
 
-def record_model(model, node: str, requested: str, active: str, note: str = "") -> None:
-    record(model.model_options.setdefault(RECORDS_KEY, []), node, requested, active, note)
+def record_model(model, node: str, requested: str, active: str, note: str = "", short: str = "") -> None:
+    record(model.model_options.setdefault(RECORDS_KEY, []), node, requested, active, note, short)
 
 
-def record_in_run(node: str, requested: str, active: str, note: str = "") -> None:
+def record_in_run(node: str, requested: str, active: str, note: str = "", short: str = "") -> None:
     """Update a record in the sampling run being profiled, for what only sampling finds out."""
     run = active_run()
     if run is not None:
-        record(run.optimizations, node, requested, active, note)
+        record(run.optimizations, node, requested, active, note, short)
+
+
+# --- inputs: what INPUT_TYPES promises, checked when the node runs --------------------------------
+
+
+def _input_problem(kind, options: dict, value) -> str | None:
+    if isinstance(kind, (list, tuple)):
+        return None if value in kind else f"{value!r} is not offered (choose one of {', '.join(map(str, kind))})"
+    if kind == "BOOLEAN":
+        return None if isinstance(value, bool) else f"{value!r} is not true or false"
+    if kind == "STRING":
+        return None if isinstance(value, str) else f"{value!r} is not text"
+    if kind not in ("INT", "FLOAT"):
+        return None  # a MODEL, VAE, LATENT...: ComfyUI checks the link's type
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if kind == "INT" and not whole:
+        return f"{value!r} is not a whole number"
+    if not (whole or isinstance(value, float)) or value != value:  # NaN is not a number either
+        return f"{value!r} is not a number"
+    if "min" in options and value < options["min"]:
+        return f"{value} is below its minimum (give {options['min']} or more)"
+    if "max" in options and value > options["max"]:
+        return f"{value} is above its maximum (give {options['max']} or less)"
+    return None
+
+
+def check_inputs(node_class, **values) -> None:
+    """A ``UserError`` with one message per input, each naming its own input, for every value that
+    ``node_class.INPUT_TYPES()`` does not take: not among its options, of another type, or past an
+    INT's or FLOAT's min or max. ComfyUI checks widget values so before a prompt runs, but not
+    linked values, nor calls from Python."""
+    spec = {name: entry for section in node_class.INPUT_TYPES().values() for name, entry in section.items()}
+    problems = []
+    for name, value in values.items():
+        kind, options = spec[name][0], (spec[name][1] if len(spec[name]) > 1 else {})
+        problem = _input_problem(kind, options, value)
+        if problem:
+            problems.append(f"{name}: {problem}")
+    if problems:
+        raise UserError("; ".join(problems))
 
 
 # --- private copies of a diffusion model ---------------------------------------------------------
@@ -242,9 +282,9 @@ def copy_vae(vae):
     return duplicate
 
 
-def record_vae(vae, node: str, requested: str, active: str, note: str = "") -> None:
+def record_vae(vae, node: str, requested: str, active: str, note: str = "", short: str = "") -> None:
     """File a record on a VAE copy; it reaches the report of every prompt that decodes or encodes with it."""
-    record(vae.sdopt_records, node, requested, active, note)
+    record(vae.sdopt_records, node, requested, active, note, short)
 
 
 def wrap_vae_methods(vae, wrap: Callable[[str, Callable], Callable]):
@@ -513,6 +553,7 @@ class FastPath:
         self.nchw_conv_bytes = 0
         self.cache_saved = None
         self.requested: dict[str, str] = {}
+        self.notes: dict[str, Callable[[], str]] = {}  # per node: what else its record says after a run
 
     def with_configs(self, compile_config=..., graph_config=...) -> "FastPath":
         """A new fast path (fresh compiled code and graphs) with one config replaced."""
@@ -523,6 +564,7 @@ class FastPath:
             self.cache_root,
         )
         new.requested = dict(self.requested)
+        new.notes = dict(self.notes)
         return new
 
     def _runner(self, unet, options: dict):
@@ -582,6 +624,11 @@ class FastPath:
         return [c.stats for c, _, _ in runners if c], [g.stats for _, g, _ in runners if g]
 
 
+def _some_reasons(counts: dict[str, int]) -> str:
+    """The reasons some calls ran eagerly, with how many: one line."""
+    return ", ".join(f"{reason} ({n}x)" for reason, n in counts.items())
+
+
 def _warmup_counters(compiled, graphed) -> tuple[int, float, int, float]:
     """(compilations, compile seconds, captures, capture seconds) of a runner so far: a call that
     raises them is a warm-up step for the profiler."""
@@ -637,18 +684,22 @@ def install_fast_path(model, fast_path: FastPath) -> None:
         finally:
             compile_stats, graph_stats = fast_path.stats()
             eager = "; ".join(filter(None, [*(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items()), fast_path.family.unknown_note]))
+            eager_short = f"eager for {_some_reasons(fast_path.eager_reasons)}" if fast_path.eager_reasons else ""
             if "SDOptCompile" in requested and fast_path.compile_config:
                 warm = "; ".join(dict.fromkeys(filter(None, (cache.note() for *_, cache in fast_path.runners.values() if cache))))
                 layout = (
                     f"{fast_path.nchw_conv_bytes / 2**20:,.0f} MiB of conv weights are stored NCHW, so inductor copies them to "
                     "channels-last on every step: sdopt Precision's channels_last stores them that way once"
                 ) if fast_path.nchw_conv_bytes else ""
-                note = "; ".join(filter(None, [warm, f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", layout, eager]))
+                details = [line for s in compile_stats for line in s.details()]
+                note = "; ".join(filter(None, [fast_path.notes.get("SDOptCompile", str)(), *details, warm,
+                                               f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", layout, eager]))
                 active = f"{fast_path.compile_config.settings()}: " + " | ".join(s.summary() for s in compile_stats)
-                record_in_run("SDOptCompile", requested["SDOptCompile"], active, note)
+                short = "; ".join(dict.fromkeys(filter(None, [*(s.shortfall() for s in compile_stats), eager_short])))
+                record_in_run("SDOptCompile", requested["SDOptCompile"], active, note, short)
             if "SDOptCUDAGraph" in requested and fast_path.graph_config:
                 active = "CUDA graph: " + " | ".join(s.summary() for s in graph_stats)
-                record_in_run("SDOptCUDAGraph", requested["SDOptCUDAGraph"], active, eager)
+                record_in_run("SDOptCUDAGraph", requested["SDOptCUDAGraph"], active, eager, eager_short)
 
     # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open here
     set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "SAMPLER_SAMPLE": report_after_sampling})
@@ -663,7 +714,7 @@ def fast_path_clone(model, node: str, requested: str, unavailable: str | None, o
         raise UserError(f"{input_name}: {unavailable}; {fix}")
     m, path_note = non_dynamic_clone(model)
     if unavailable:
-        record_model(m, node, requested, "eager", f"{unavailable}; running eager")
+        record_model(m, node, requested, "eager", f"{unavailable}; running eager", f"runs eager: {unavailable}")
         return m, None
     current = fast_path_of(m)
     fast_path = current.with_configs(**configs) if current else FastPath(configs.get("compile_config"), configs.get("graph_config"), model_family(m))

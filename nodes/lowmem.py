@@ -34,6 +34,7 @@ class SDOptLowMemory:
         }}
 
     def patch(self, model, budget_mb, sequential_cfg, chunk_ops):
+        glue.check_inputs(SDOptLowMemory, budget_mb=budget_mb, sequential_cfg=sequential_cfg, chunk_ops=chunk_ops)
         family = glue.model_family(model)
         config = LowMemConfig(budget_mb << 20, sequential_cfg, chunk_ops, chunk_ops, chunk_ops,
                               feedforward_modules=family.described.feedforward_modules)

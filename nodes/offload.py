@@ -106,6 +106,7 @@ class SDOptOffload:
         }}
 
     def patch(self, model, mode, budget_mb, on_unavailable):
+        glue.check_inputs(SDOptOffload, mode=mode, budget_mb=budget_mb, on_unavailable=on_unavailable)
         config = OffloadConfig(mode, budget_mb * MIB)
         requested = f"mode={mode}" + (f", budget_mb={budget_mb}" if mode == "budget" else "")
         reason = unavailable_reason(model.load_device.type)
@@ -114,5 +115,5 @@ class SDOptOffload:
         if on_unavailable == "error" and mode != "none":
             raise UserError(f"mode: {reason}; set mode to none, or on_unavailable to fallback")
         m = glue.patched_clone(model, NODE)
-        glue.record_model(m, NODE, requested, "no-op", reason)
+        glue.record_model(m, NODE, requested, "no-op", reason, f"does nothing: {reason}" if mode != "none" else "")
         return (m,)

@@ -49,6 +49,7 @@ class SDOptPrecision:
         }}
 
     def patch(self, model, weight_dtype, compute_dtype, tf32, channels_last):
+        glue.check_inputs(SDOptPrecision, weight_dtype=weight_dtype, compute_dtype=compute_dtype, tf32=tf32, channels_last=channels_last)
         device = torch.device(model.load_device)
         notes = []
         if weight_dtype == AUTO:
@@ -74,9 +75,10 @@ class SDOptPrecision:
             if plan.compute_dtype != computing:
                 m.set_model_compute_dtype(plan.compute_dtype)
         glue.set_wrappers(m, NODE, {"OUTER_SAMPLE": _tf32_sampling} if tf32 else {})
-        if tf32 and device.type != "cuda":
-            notes.append(f"tf32 has no effect on {device.type}: it is a CUDA setting")
+        short = f"tf32 has no effect on {device.type}" if tf32 and device.type != "cuda" else ""
+        if short:
+            notes.append(f"{short}: it is a CUDA setting")
         requested = f"weight={weight_dtype}, compute={compute_dtype}, tf32={'on' if tf32 else 'off'}, channels_last={'on' if channels_last else 'off'}"
         active = f"weight={dtype_name(plan.weight_dtype)}, compute={dtype_name(plan.compute_dtype)}" + (", tf32" if tf32 else "") + (", channels_last" if channels_last else "")
-        glue.record_model(m, NODE, requested, active, "; ".join(notes))
+        glue.record_model(m, NODE, requested, active, "; ".join(notes), short)
         return (m,)

@@ -70,6 +70,7 @@ class SDOptProfiler:
         }}
 
     def apply(self, model, label):
+        glue.check_inputs(SDOptProfiler, label=label)
         label = label.strip()
         if not label:
             raise UserError("label: it is empty; give the runs a name, e.g. 'baseline'")

@@ -73,6 +73,7 @@ class SDOptProfileReport:
         return float("nan")
 
     def report(self, filename_prefix, images=None, latent=None, prompt=None, unique_id=None):
+        glue.check_inputs(SDOptProfileReport, filename_prefix=filename_prefix)
         if images is None and latent is None:
             raise UserError("images: connect 'images' (from VAEDecode) or 'latent' (from the sampler) so the report runs after sampling")
         import folder_paths

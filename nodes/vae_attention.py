@@ -10,7 +10,7 @@ import contextlib
 from ..measure.record import record
 from ..optim.attention import build_attention, channel_attention, summarize_decisions
 from . import glue
-from .attention import attention_inputs, configure
+from .attention import attention_inputs, configure, shortfall
 
 NODE = "SDOptVAEAttention"
 _MARK = "_sdopt_vae_attention"
@@ -48,6 +48,7 @@ class SDOptVAEAttention:
         return attention_inputs("vae", "VAE")
 
     def patch(self, vae, backend, on_unavailable, slice_size, memory_budget_mb):
+        glue.check_inputs(SDOptVAEAttention, backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_mb=memory_budget_mb)
         if not attention_blocks(vae):
             out = glue.wrap_vae_methods(vae, lambda _name, inner: inner)
             glue.record_vae(out, NODE, backend, "none", "this VAE has no attention blocks; nothing to patch")
@@ -62,11 +63,12 @@ class SDOptVAEAttention:
                 with patched_blocks(attention_blocks(self), fn):
                     output = inner(self, *args, **kwargs)
                 if attention.decisions:
-                    record(glue.prompt_log().records, NODE, backend, *summarize_decisions(attention.decisions))
+                    picked, why = summarize_decisions(attention.decisions)
+                    record(glue.prompt_log().records, NODE, backend, picked, why, shortfall(backend, picked))
                 return output
 
             return call
 
         out = glue.wrap_vae_methods(vae, wrap)
-        glue.record_vae(out, NODE, backend, active, note)
+        glue.record_vae(out, NODE, backend, active, note, shortfall(backend, active))
         return (out,)

@@ -38,9 +38,12 @@ def _guarded(vae, source, requested: str, active: str):
             if result.redone or not result.finite:
                 counts[(f"redid {{}} in {dtype_name(result.redone_in[-1])}" if result.redone else "could not redo {}", method.split("_")[0])] += 1
                 last["note"] = f"last {method}: {result.describe()}"
+                last["nonfinite"] = last.get("nonfinite", 0) + (not result.finite)
             if counts:  # every call re-files the node's plain record first, so the prompt's count goes back on top
                 done = "; ".join(text.format(f"{n} {op}{'s' * (n > 1)}") for (text, op), n in sorted(counts.items()))
-                record(glue.prompt_log().records, NODE, requested, f"{active} (NaN guard {done})", last["note"])
+                failed = last.get("nonfinite", 0)
+                short = f"NaN/Inf left in {failed} output(s), redone or not" if failed else ""
+                record(glue.prompt_log().records, NODE, requested, f"{active} (NaN guard {done})", last["note"], short)
             return result.output
         return guarded
 
@@ -68,6 +71,7 @@ class SDOptVAEPrecision:
         }}
 
     def apply(self, vae, dtype, nan_guard):
+        glue.check_inputs(SDOptVAEPrecision, dtype=dtype, nan_guard=nan_guard)
         if getattr(vae, "first_stage_model", None) is None:
             raise UserError("vae: this VAE has no weights (the checkpoint holds no VAE); load one with a VAE loader")
         notes = []

@@ -92,11 +92,12 @@ class AttentionConfig:
         if self.backend != AUTO:
             get_backend(self.backend)
         if self.on_unavailable not in ON_UNAVAILABLE:
-            raise UserError(f"on_unavailable must be one of {', '.join(ON_UNAVAILABLE)}, not {self.on_unavailable!r}")
-        if self.slice_size < 0 or self.head_slice_size < 0:
-            raise UserError("slice_size and head_slice_size must be >= 0 (0 = automatic)")
+            raise UserError(f"on_unavailable: must be one of {', '.join(ON_UNAVAILABLE)}, not {self.on_unavailable!r}")
+        for name in ("slice_size", "head_slice_size"):
+            if getattr(self, name) < 0:
+                raise UserError(f"{name}: {getattr(self, name)} must be >= 0 (0 = automatic)")
         if self.memory_budget_bytes <= 0:
-            raise UserError("memory_budget_bytes must be > 0")
+            raise UserError(f"memory_budget_bytes: {self.memory_budget_bytes} must be > 0")
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def get_backend(name: str) -> Backend:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise UserError(f"unknown attention backend {name!r}; choose from {', '.join(attention_choices())}") from None
+        raise UserError(f"backend: unknown attention backend {name!r}; choose from {', '.join(attention_choices())}") from None
 
 
 def backend_function(name: str, config: AttentionConfig | None = None) -> AttentionFn:
@@ -260,13 +261,13 @@ def expected_backend(config: AttentionConfig, device: torch.device | str) -> tup
 
 def _resolve(name: str, check: Callable[[str], Availability], on_unavailable: str) -> Resolved:
     if on_unavailable not in ON_UNAVAILABLE:
-        raise UserError(f"on_unavailable must be one of {', '.join(ON_UNAVAILABLE)}, not {on_unavailable!r}")
+        raise UserError(f"on_unavailable: must be one of {', '.join(ON_UNAVAILABLE)}, not {on_unavailable!r}")
     get_backend(name)
     verdict = check(name)
     if verdict.ok:
         return Resolved(name, name)
     if on_unavailable == "error":
-        raise UserError(f"attention backend {name} cannot run here: {verdict.reason}")
+        raise UserError(f"backend: {name} cannot run here: {verdict.reason}; pick another backend, or set on_unavailable to fallback")
     reasons = [f"{name}: {verdict.reason}"]
     for candidate in FALLBACK_ORDER:
         if candidate == name or candidate not in _REGISTRY:
@@ -275,7 +276,7 @@ def _resolve(name: str, check: Callable[[str], Availability], on_unavailable: st
         if fallback.ok:
             return Resolved(name, candidate, f"fallback from {name} to {candidate}: {verdict.reason}")
         reasons.append(f"{candidate}: {fallback.reason}")
-    raise UserError(f"no attention backend can run here ({'; '.join(reasons)})")
+    raise UserError(f"backend: no attention backend can run here ({', '.join(reasons)})")
 
 
 # --- the backends ------------------------------------------------------------------------------

@@ -16,8 +16,15 @@ once, and every other change runs the cached code. Weights stay inputs in every 
 The first call of each input signature runs eagerly, so lazy set-up in the module stays out of the
 compiled code. Each ``CompiledForward`` compiles a private copy of its function's code: dynamo keeps
 compiled entries, its recompile limit and its guard failures per code object, and every model's
-UNet call shares one function. Past that limit a new input signature runs eagerly, and the stats say
-so. ``stats`` counts compilations with their time and the forward's own guard-failure reasons.
+UNet call shares one function; where torch has ``isolate_recompiles``, the functions a graph break
+leaves outside that code keep their entries per compiled model too. Past that limit a new input
+signature runs eagerly, and the stats say so. ``stats`` counts compilations with their time and the
+forward's own guard-failure reasons, and says what torch did short of one graph, from its own
+compilation metrics and recompile-limit warning: where it broke the graph and why, the functions it
+gave up on (they run eagerly), and, where torch shares those outside functions' entries between
+compiled models, the graphs this model ran that another compile made (seen by torch's profiler in
+the first compiled call of each input signature). ``graph_break_reasons`` tells beforehand whether
+a function traces as one graph.
 ``ArtifactCache`` is a folder per architecture, torch version and settings: while sdopt's compiled
 code runs, torch's own compiler caches (inductor's graphs and kernels, Triton's) are read and written
 there, beside torch's portable artifacts (``torch.compiler.save_cache_artifacts``), so a new process
@@ -30,9 +37,12 @@ import contextlib
 import functools
 import hashlib
 import importlib.util
-import json
-import os
+import inspect
 import itertools
+import json
+import logging
+import os
+import re
 import shutil
 import time
 import types
@@ -112,6 +122,23 @@ def nchw_conv_weight_bytes(module: torch.nn.Module, config: CompileConfig) -> in
 # --- compile accounting: dynamo's callbacks, attributed to the forward that is running ----------
 
 
+@dataclass(frozen=True)
+class GaveUp:
+    """A function torch would not compile, so that it runs eagerly: which, why, and the fix."""
+
+    function: str
+    reason: str
+    fix: str
+
+
+GRAPH_BREAK_FIX = (
+    "keep that call out of the model's forward (for ComfyUI's attention: an sdopt Attention node); "
+    "fullgraph=on stops at the first break with torch's full message"
+)
+EAGER_FRAME_FIX = "torch runs the whole function eagerly and compiles what it calls apart; " + GRAPH_BREAK_FIX
+RECOMPILE_LIMIT_FIX = "raise torch._dynamo.config.recompile_limit, or compile with dynamic; a graph break above multiplies recompiles"
+
+
 @dataclass
 class CompileStats:
     compilations: int = 0
@@ -121,6 +148,12 @@ class CompileStats:
     signatures: set = field(default_factory=set)
     eager_signatures: set = field(default_factory=set)  # past dynamo's recompile limit
     recompile_limit: int = 0
+    owner: str = ""  # which compiled model this is, as the record of another one names it
+    graph_breaks: dict[str, list[str]] = field(default_factory=dict)  # torch's reason → the functions it split
+    gave_up: dict[str, GaveUp] = field(default_factory=dict)  # by function: those torch runs eagerly
+    reused: dict[str, int] = field(default_factory=dict)  # who compiled them → graphs this model ran but did not compile
+    isolated: bool = False  # torch keeps the entries of what a graph break leaves outside per compiled model
+    slower_than_eager: dict = field(default_factory=dict)  # signature → its SpeedTrial: these run eagerly
 
     @property
     def cache_entries(self) -> int:
@@ -139,6 +172,43 @@ class CompileStats:
                      "or compile with dynamic)")
         return text
 
+    def details(self) -> list[str]:
+        """What torch did short of one graph per input signature, each with its fix; and the graphs
+        this model ran that another compile made."""
+        lines = [f"reused {n} graph(s) compiled earlier in this process by {owner}" for owner, n in self.reused.items()]
+        for trial in self.slower_than_eager.values():
+            lines.append(f"turned itself off for one input signature: compiled {min(trial.compiled_seconds) * 1e3:,.0f} ms a call "
+                         f"against {trial.eager_seconds * 1e3:,.0f} ms eager ({trial.speedup:.2f}x), so it runs eagerly; "
+                         "fix: sdopt Precision's channels_last (conv weights stored as inductor lays them out), or a larger image")
+        for reason, functions in self.graph_breaks.items():
+            pieces = "its own (torch's isolate_recompiles)" if self.isolated else "shared with every compiled model in this process"
+            lines.append(f"graph break ({reason}) in {_some(functions)}: those parts run as separate graphs, {pieces}; "
+                         f"fix: {GRAPH_BREAK_FIX}")
+        by_cause: dict[tuple[str, str], list[str]] = {}
+        for gave_up in self.gave_up.values():
+            by_cause.setdefault((gave_up.reason, gave_up.fix), []).append(gave_up.function)
+        for (reason, fix), functions in by_cause.items():
+            lines.append(f"torch gave up on {_some(functions)} ({reason}): they run eagerly; fix: {fix}")
+        return lines
+
+    def shortfall(self) -> str:
+        """One line where this model ran less compiled than asked; "" where it ran as asked."""
+        parts = []
+        if self.gave_up:
+            parts.append(f"{len(self.gave_up)} function(s) ran eagerly ({_some(list(self.gave_up), 2)})")
+        broken = [name for functions in self.graph_breaks.values() for name in functions]
+        if self.graph_breaks:
+            parts.append(f"graph broken in {len(broken)} function(s)" + (f" ({_some(broken, 2)})" if broken else ""))
+        if self.eager_signatures:
+            parts.append(f"{len(self.eager_signatures)} input signature(s) eager past the recompile limit")
+        if self.slower_than_eager:
+            parts.append(f"off for {len(self.slower_than_eager)} input signature(s): compiled ran slower than eager")
+        return ", ".join(parts)
+
+
+def _some(names: list[str], shown: int = 4) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
 
 _running: list[CompileStats] = []
 _started: dict = {}
@@ -150,8 +220,10 @@ def _compile_id(args: tuple):
 
 def _on_compile_start(*args, **_kwargs):
     if _running:
+        _harvest_metrics(_running[-1])  # the frames compiled before this one: torch keeps only the last 64
         _running[-1].compilations += 1
         _started[_compile_id(args)] = (_running[-1], time.perf_counter())
+        _owners[str(_compile_id(args))] = _running[-1].owner
 
 
 def _on_compile_end(*args, **_kwargs):
@@ -164,6 +236,7 @@ def _install_callbacks() -> None:
     from torch._dynamo import callback_handler
 
     if _on_compile_start not in callback_handler.start_callbacks:  # torch._dynamo.reset() clears them
+        _owners.clear()  # and compile ids start again
         callback_handler.register_start_callback(_on_compile_start)
         callback_handler.register_end_callback(_on_compile_end)
 
@@ -179,18 +252,154 @@ def _reason_line(reason: str) -> str:
     return reason.strip().splitlines()[0].split(". ")[0]
 
 
+# --- what torch gave up on: its compilation metrics and its recompile-limit warning ----------------
+
+_owners: dict[str, str] = {}  # compile id → the owner of the stats its compile was attributed to
+_last_metric: list = [None]  # the newest of torch's compilation metrics already read
+_RESUME_NAME = re.compile(r"^torch_dynamo_resume_in_(?P<name>.+)_at_\d+$")
+_PRIVATE_NAME = re.compile(r"__sdopt\d+$")
+_RECOMPILE_LIMIT = re.compile(r"hit config\.(?P<limit_type>\w+) \((?P<limit>\d+)\)\s*function: '(?P<function>[^']*)' \((?P<where>[^)]*)\)"
+                              r"(?:\s*last reason: (?P<last>[^\n]*))?")
+
+
+def function_name(co_name: str, filename: str | None = None, line: int | None = None) -> str:
+    """A compiled frame's function as a reader knows it: a resume function named after the function
+    it resumes, sdopt's private code copies after their original, with file and first line."""
+    resumed = _RESUME_NAME.match(co_name)
+    name = _PRIVATE_NAME.sub("", resumed.group("name") if resumed else co_name)
+    return f"{name} ({os.path.basename(filename)}:{line})" if filename else name
+
+
+def reason_text(reason: str) -> str:
+    """torch's reason in one line: its headline, and the first sentence of its explanation."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    if not lines:
+        return "no reason given"
+    explanation = next((line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")), "")
+    explanation = explanation.split(". ")[0]
+    return f"{lines[0]}: {explanation}" if explanation else lines[0]
+
+
+def _compilation_metrics() -> list:
+    from torch._dynamo import utils
+
+    read = getattr(utils, "get_compilation_metrics", None)
+    return read() if read else []
+
+
+def _harvest_metrics(stats: CompileStats | None) -> None:
+    """File the frames compiled since the last harvest into ``stats`` (None: skip them): graph
+    breaks by reason, and the functions torch gave up on. Recompile-limit failures name no
+    function here; their warning does (``_RecompileLimitWarnings``)."""
+    metrics = _compilation_metrics()
+    start = next((i + 1 for i in range(len(metrics) - 1, -1, -1) if metrics[i] is _last_metric[0]), 0)
+    _last_metric[0] = metrics[-1] if metrics else None
+    for metric in metrics[start:] if stats is not None else ():
+        note_metric(stats, metric)
+
+
+def note_metric(stats: CompileStats, metric) -> None:
+    """File one of torch's ``CompilationMetrics`` into ``stats``."""
+    name = function_name(metric.co_name, metric.co_filename, metric.co_firstlineno) if metric.co_name else None
+    ours = metric.co_filename == __file__  # the compiled forward's own wrapper: split because what it calls is
+    for reason in sorted(metric.restart_reasons or ()):
+        functions = stats.graph_breaks.setdefault(reason_text(reason), [])
+        if name and not ours and name not in functions:
+            functions.insert(0, name)  # inner frames compile after the outer ones: the untraceable call comes first
+    failure = metric.fail_reason or ""
+    if metric.fail_type and name and "recompile limit" not in failure.lower():
+        stats.gave_up[name] = GaveUp(name, reason_text(failure or metric.fail_type), EAGER_FRAME_FIX)
+
+
+class _RecompileLimitWarnings(logging.Handler):
+    """Files torch's "hit config.recompile_limit" warning, the one place that names the function."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not _running:
+            return
+        try:
+            found = _RECOMPILE_LIMIT.search(record.getMessage())
+        except Exception:  # a record whose arguments do not fit its message: not ours to read
+            return
+        if found:
+            name = function_name(found["function"], found["where"].rpartition(":")[0], found["where"].rpartition(":")[2])
+            last = f"; last recompile because {found['last'].split(': ', 1)[-1]}" if found["last"] else ""
+            reason = f"hit torch's {found['limit_type']} ({found['limit']}){last}"
+            _running[-1].gave_up[name] = GaveUp(name, reason, RECOMPILE_LIMIT_FIX)
+
+
+_limit_warnings = _RecompileLimitWarnings()
+
+
 @contextlib.contextmanager
 def accounted(stats: CompileStats, codes: tuple[types.CodeType, ...] = ()):
-    """Attribute the compilations that happen inside to ``stats``, and the guard failures of
-    ``codes`` (the compiled code objects) to its recompile reasons."""
+    """Attribute the compilations that happen inside to ``stats``, the guard failures of ``codes``
+    (the compiled code objects) to its recompile reasons, and what torch gave up on to its
+    graph breaks and eager functions."""
     _install_callbacks()
     before = len(_guard_failures(codes))
+    _harvest_metrics(None)
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_log.addHandler(_limit_warnings)
     _running.append(stats)
     try:
         yield
     finally:
+        _harvest_metrics(stats)
         _running.pop()
+        if not _running:
+            dynamo_log.removeHandler(_limit_warnings)
         stats.recompile_reasons.extend(_reason_line(r) for r in _guard_failures(codes)[before:])
+
+
+# --- graphs this model ran that another compile made ----------------------------------------------
+
+REGION_PREFIX = "Torch-Compiled Region: "
+
+
+@contextlib.contextmanager
+def regions_run(found: set[str]):
+    """Collect into ``found`` the compile ids of the compiled regions run inside (torch's profiler
+    names each ``Torch-Compiled Region: <id>``); nothing where a profiler runs already or a CUDA
+    graph is being captured."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if torch.autograd.profiler._is_profiler_enabled or capturing:
+        yield
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        yield
+    results = getattr(profiled.profiler, "kineto_results", None)
+    names = [event.name() for event in results.events()] if results is not None else [event.name for event in profiled.events()]
+    found.update(name[len(REGION_PREFIX):] for name in names if name.startswith(REGION_PREFIX))
+
+
+def note_reuse(stats: CompileStats, ran: set[str]) -> None:
+    """File the regions ``stats``' model ran that it did not compile itself, by who compiled them."""
+    for compile_id in sorted(ran):
+        owner = _owners.get(compile_id, "a torch.compile outside sdopt")
+        if owner != stats.owner:
+            stats.reused[owner] = stats.reused.get(owner, 0) + 1
+
+
+def isolated_recompiles() -> dict:
+    """torch.compile's ``isolate_recompiles`` where this torch has it: the functions a graph break
+    leaves outside the compiled model then keep entries (and a recompile limit) per compiled model,
+    not one set shared by every compiled model in the process."""
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+
+
+def graph_break_reasons(fn: Callable, *args, **kwargs) -> list[str]:
+    """Why torch.compile cannot trace ``fn(*args, **kwargs)`` as one graph: the reasons of its graph
+    breaks and of the functions it gave up on; [] where it traces whole. Traced with the eager
+    backend over a private copy of ``fn``'s code, in its own recompile region where torch has them."""
+    stats = CompileStats(owner="sdopt's graph-break probe")
+    probe = torch.compile(with_private_code(fn), backend="eager", dynamic=False, **isolated_recompiles())
+    with accounted(stats):
+        probe(*args, **kwargs)
+    return [*stats.graph_breaks, *dict.fromkeys(g.reason for g in stats.gave_up.values())]
 
 
 _private_code_ids = itertools.count(1)
@@ -283,6 +492,47 @@ def _rebind(script_module, name: str, value: torch.Tensor) -> None:
     setattr(target, leaf, value)
 
 
+_compiled_models = itertools.count(1)
+# On a CPU compiled code can be slower than eager (small inputs, weight layout copies per call): each
+# input signature, once compiled, is timed eagerly once and compiled TRIAL_CALLS times, and runs
+# eagerly from then on where compiled ran below SLOWER_THAN_EAGER of the eager speed.
+TRIAL_CALLS = 2  # 0: no trials
+SLOWER_THAN_EAGER = 0.95
+MIN_TRIAL_SECONDS = 0.01  # a shorter eager call is left compiled: too short to time apart from noise
+
+
+@dataclass
+class SpeedTrial:
+    """One input signature timed eagerly once, then compiled ``TRIAL_CALLS`` times (seconds)."""
+
+    eager_seconds: float | None = None
+    compiled_seconds: list[float] = field(default_factory=list)
+
+    def add(self, eager: bool, seconds: float) -> None:
+        if eager:
+            self.eager_seconds = seconds
+        else:
+            self.compiled_seconds.append(seconds)
+
+    @property
+    def decided(self) -> bool:
+        return len(self.compiled_seconds) >= TRIAL_CALLS or (self.eager_seconds is not None and self.eager_seconds < MIN_TRIAL_SECONDS)
+
+    @property
+    def speedup(self) -> float:
+        """Compiled speed over eager speed, from the fastest compiled call."""
+        return self.eager_seconds / min(self.compiled_seconds)
+
+    @property
+    def compiled_slower(self) -> bool:
+        return bool(self.compiled_seconds) and self.speedup < SLOWER_THAN_EAGER
+
+
+def _on_cpu(inputs: tuple) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in inputs)
+
+
+
 class CompiledForward:
     """``call(module, *inputs)`` through the compiled artifact of ``config.mode``."""
 
@@ -290,8 +540,13 @@ class CompiledForward:
         self.module = module
         self.call = call
         self.config = config
-        self.stats = CompileStats()
+        self.stats = CompileStats(owner=f"sdopt compiled model #{next(_compiled_models)} ({config.settings()}, {time.strftime('%H:%M:%S')})",
+                                  isolated=bool(isolated_recompiles()))
         self.seen: set = set()
+        # signatures whose first compiled call was watched for graphs another compile made: only
+        # where torch shares what a graph break leaves outside between compiled models
+        self._watched: set = set()
+        self._trials: dict[tuple, SpeedTrial] = {}  # CPU signatures compiled and not yet timed against eager
         self.traces: OrderedDict[tuple, tuple[torch.jit.ScriptModule, dict]] = OrderedDict()
         self._codes: tuple[types.CodeType, ...] = ()
         if config.mode == "compile":
@@ -301,7 +556,7 @@ class CompiledForward:
 
             own = with_private_code(forward)
             self._codes = (own.__code__,)
-            self._compiled = torch.compile(own, **config.torch_compile_kwargs())
+            self._compiled = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
         elif config.mode == "compile_regional":
             self.blocks = repeated_blocks(module)
             shared: dict[type, Callable] = {}
@@ -309,7 +564,7 @@ class CompiledForward:
                 if type(block) not in shared:
                     own = with_private_code(type(block).forward)
                     self._codes += (own.__code__,)
-                    shared[type(block)] = torch.compile(own, **config.torch_compile_kwargs())
+                    shared[type(block)] = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
             self._block_forwards = [(block, shared[type(block)]) for block in self.blocks]
 
     def __call__(self, *inputs):
@@ -319,14 +574,36 @@ class CompiledForward:
             # runs eagerly once, so the compiled code only meets its steady path and needs no graph break.
             self.seen.add(signature)
             return self.call(self.module, *inputs)
-        if self._past_recompile_limit(signature):
+        if self._past_recompile_limit(signature) or signature in self.stats.slower_than_eager:
             return self.call(self.module, *inputs)
-        compilations = self.stats.compilations
+        trial = self._trials.get(signature)
+        if trial is not None:
+            return self._timed(signature, trial, inputs)
+        compilations, ran = self.stats.compilations, set()
+        watch = self.config.mode != "trace" and not self.stats.isolated and signature not in self._watched
+        self._watched.add(signature)
         try:
-            return self._run(inputs)
+            with regions_run(ran) if watch else contextlib.nullcontext():
+                return self._run(inputs)
         finally:
             if self.stats.compilations > compilations:
                 self.stats.signatures.add(signature)
+                if TRIAL_CALLS and _on_cpu(inputs):
+                    self._trials[signature] = SpeedTrial()
+            note_reuse(self.stats, ran)
+
+    def _timed(self, signature, trial: SpeedTrial, inputs: tuple):
+        """One call of a signature on trial: its eager reference first, then compiled ones; once
+        decided, the signature runs compiled, or eagerly where compiled measured slower."""
+        eager = trial.eager_seconds is None
+        started = time.perf_counter()
+        output = self.call(self.module, *inputs) if eager else self._run(inputs)
+        trial.add(eager, time.perf_counter() - started)
+        if trial.decided:
+            del self._trials[signature]
+            if trial.compiled_slower:
+                self.stats.slower_than_eager[signature] = trial
+        return output
 
     def _past_recompile_limit(self, signature) -> bool:
         """Whether a new signature must run eagerly because dynamo's limit would turn it away anyway."""

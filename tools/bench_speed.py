@@ -3,7 +3,8 @@
 One process, one booted ComfyUI, one checkpoint. Every rung is a MODEL built by the nodes a user
 would wire (each sdopt rung adds one node to the one before: precision auto, attention, then a
 trace, compile, CUDA graph or compile + graph), plus ComfyUI's own TorchCompileModel as the
-competitor. ``compile+graph+channels_last`` (by ``rungs`` only: it compiles anew) is compile + graph
+competitor. ``compile-alone`` is SDOptCompile wired straight after the checkpoint, the way a user
+first tries it, against stock as its eager twin. ``compile+graph+channels_last`` (by ``rungs`` only: it compiles anew) is compile + graph
 over Precision with channels-last conv weights. ``diffusers`` and ``diffusers+compile`` (by ``rungs``
 only) are what a user would pick instead: diffusers' own UNet and pipeline on the same checkpoint's
 weights, prompts and noise, with diffusers' speed recipe (``tools/diffusers_pipeline.py``). Each
@@ -48,7 +49,8 @@ from .bench_unet import checkpoint_path
 PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
 SEED, CFG, SAMPLER, SCHEDULER = 42, 7.0, "euler", "normal"
 STOCK = "stock"
-RUNGS = ("stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", "TorchCompileModel")
+COMPILE_ALONE = "compile-alone"
+RUNGS = ("stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", COMPILE_ALONE, "TorchCompileModel")
 CHANNELS_LAST = "compile+graph+channels_last"
 DIFFUSERS, DIFFUSERS_COMPILE = "diffusers", "diffusers+compile"
 # Asked for by --rungs only: the channels-last rung compiles anew; the diffusers rungs run diffusers' own
@@ -156,6 +158,7 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
         "graph": lambda: over_attention(graph(attention), "CUDAGraph"),
         "compile+graph": lambda: over_attention(graph(compile_(attention, "compile")), "Compile(compile) → CUDAGraph"),
         CHANNELS_LAST: channels_last,
+        COMPILE_ALONE: lambda: Rung(compile_(base, "compile"), "Compile(compile)", STOCK, base),
         "TorchCompileModel": lambda: Rung(_comfy_torch_compile(base), "ComfyUI TorchCompileModel(inductor)", STOCK, base),
     }
     return {name: makers[name]() for name in names}

@@ -121,8 +121,8 @@ def test_records_filed_in_a_run_replace_per_node_and_leave_the_seed():
         run.finish()
     assert profiler.active_run() is None
     assert run.result().optimizations == [
-        {"node": "SDOptPrecision", "requested": "weight=fp16", "active": "weight=fp16", "note": ""},
-        {"node": "SDOptAttention", "requested": "auto", "active": "sliced", "note": "second decision"},
+        {"node": "SDOptPrecision", "requested": "weight=fp16", "active": "weight=fp16", "note": "", "short": ""},
+        {"node": "SDOptAttention", "requested": "auto", "active": "sliced", "note": "second decision", "short": ""},
     ], "one record per node: the later record of a node replaces the earlier one"
     assert seed == [{"node": "SDOptAttention", "requested": "auto", "active": "pending", "note": ""}], (
         "the records the run was seeded with stay untouched"

@@ -10,7 +10,7 @@ def test_record_files_a_plain_dict_and_returns_the_record():
     records = []
     entry = record(records, "SDOptAttention", "auto", "sdpa", "picked")
     assert entry == OptimizationRecord("SDOptAttention", "auto", "sdpa", "picked")
-    assert records == [{"node": "SDOptAttention", "requested": "auto", "active": "sdpa", "note": "picked"}]
+    assert records == [{"node": "SDOptAttention", "requested": "auto", "active": "sdpa", "note": "picked", "short": ""}]
     assert type(records[0]) is dict
     assert record(records, "SDOptPrecision", "fp16", "fp16").note == ""
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -32,7 +32,7 @@ def test_records_change_in_place():
     alias = records
     record(records, "A", "x", "y")
     record(records, "A", "x", "z")
-    assert alias is records and alias == [{"node": "A", "requested": "x", "active": "z", "note": ""}]
+    assert alias is records and alias == [{"node": "A", "requested": "x", "active": "z", "note": "", "short": ""}]
 
 
 def test_a_copied_list_is_independent():
@@ -41,7 +41,7 @@ def test_a_copied_list_is_independent():
     copied = [dict(r) for r in original]
     record(copied, "A", "x", "z")
     record(copied, "B", "x", "y")
-    assert original == [{"node": "A", "requested": "x", "active": "y", "note": ""}]
+    assert original == [{"node": "A", "requested": "x", "active": "y", "note": "", "short": ""}]
 
 
 def test_a_filed_entry_round_trips_through_keyword_arguments():
@@ -49,3 +49,10 @@ def test_a_filed_entry_round_trips_through_keyword_arguments():
     record(records, "A", "x", "y", "why")
     record(other, **records[0])
     assert other == records
+
+
+def test_a_node_that_did_less_than_asked_files_one_line_saying_so():
+    records = []
+    entry = record(records, "SDOptCUDAGraph", "max_graphs=4", "eager", "CUDA graphs need a CUDA device", "runs eager: no CUDA")
+    assert entry.short == "runs eager: no CUDA" and records[0]["short"] == "runs eager: no CUDA"
+    assert record(records, "SDOptCUDAGraph", "max_graphs=4", "CUDA graph").short == "", "a later record that did all says nothing"

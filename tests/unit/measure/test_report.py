@@ -96,6 +96,39 @@ def test_markdown_lists_notes_runs_optimizations_and_nodes(report):
     assert "| 3 | KSampler | 1.500 | 10.0 |" in text
 
 
+def _run(label, records, rate):
+    return {"label": label, "steps": [{"index": 0, "seconds": 1.0, "warmup": {}}], "first_step_s": 1.0, "steady_it_per_s": rate,
+            "sampler_total_s": 1.0, "peak_memory_bytes": 0, "memory_kind": "ram_rss", "model_family": "SD1.5",
+            "optimizations": records}
+
+
+def test_a_compiled_run_shows_its_eager_twins_rate_and_only_its_own():
+    attention = {"node": "SDOptAttention", "requested": "sdpa", "active": "sdpa", "note": ""}
+    compiled = {"node": "SDOptCompile", "requested": "compile", "active": "compile", "note": "", "short": ""}
+    runs = [_run("stock", [], 2.0), _run("attention", [attention], 2.5), _run("compiled", [attention, compiled], 5.0),
+            _run("compiled alone", [compiled], 3.0), _run("other family", [attention], 9.0)]
+    runs[-1]["model_family"] = "SDXL"
+    assert report_module.eager_twin(runs[2], runs) is runs[1]
+    assert report_module.eager_twin(runs[3], runs) is runs[0]
+    assert report_module.eager_twin(runs[1], runs) is None, "an eager run has no twin"
+    text = Report(device="cpu", runs=runs).markdown()
+    assert "| eager twin's steady it/s |" in text
+    assert "| SD1.5 | 2.50 it/s (attention), 2.00x |" in text and "| SD1.5 | 2.00 it/s (stock), 1.50x |" in text
+    assert "| SD1.5 | - |" in text
+    assert "eager twin" not in Report(device="cpu", runs=runs[:2]).markdown(), "no column without a pair"
+
+
+def test_a_node_that_did_less_than_asked_says_so_in_one_cell_of_the_table():
+    fell_short = {"node": "SDOptCompile", "requested": "compile", "active": "compile: 1 compilation(s)", "note": "long story",
+                  "short": "2 function(s) ran eagerly (a, b)"}
+    fine = {"node": "SDOptAttention", "requested": "sdpa", "active": "sdpa", "note": "", "short": ""}
+    text = Report(device="cpu", runs=[_run("r", [fine, fell_short], 1.0)]).markdown()
+    assert "| run | optimization | requested | active | did less than asked | note |" in text
+    assert "| r | SDOptCompile | compile | compile: 1 compilation(s) | 2 function(s) ran eagerly (a, b) | long story |" in text
+    assert "| r | SDOptAttention | sdpa | sdpa | - |  |" in text
+    assert "did less than asked" not in Report(device="cpu", runs=[_run("r", [fine], 1.0)]).markdown()
+
+
 def test_markdown_tables_right_align_the_numbers(report):
     lines = report.markdown().splitlines()
     rules = [line for line in lines if line.startswith("| ---")]

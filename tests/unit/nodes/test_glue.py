@@ -6,6 +6,7 @@ layout of ``wrappers``). The host tier runs the same code against real ComfyUI.
 """
 import copy
 import gc
+import re
 import sys
 import types
 import uuid
@@ -559,8 +560,8 @@ def test_records_on_models_replace_per_node():
     glue.record_model(model, "A", "x", "z", "again")
     glue.record_model(model, "B", "1", "2")
     assert glue.model_records(model.model_options) == [
-        {"node": "A", "requested": "x", "active": "z", "note": "again"},
-        {"node": "B", "requested": "1", "active": "2", "note": ""},
+        {"node": "A", "requested": "x", "active": "z", "note": "again", "short": ""},
+        {"node": "B", "requested": "1", "active": "2", "note": "", "short": ""},
     ]
     assert model.model_options[glue.RECORDS_KEY] is glue.model_records(model.model_options)
     clone = model.clone()
@@ -574,7 +575,7 @@ def test_record_in_run_reaches_only_an_active_run():
     run = SamplingRun("r", "cpu", seed)
     with run.memory_scope():
         glue.record_in_run("A", "auto", "sdpa", "timed")
-    assert run.optimizations == [{"node": "A", "requested": "auto", "active": "sdpa", "note": "timed"}]
+    assert run.optimizations == [{"node": "A", "requested": "auto", "active": "sdpa", "note": "timed", "short": ""}]
     assert seed[0]["active"] == "auto (pending)"
 
 
@@ -616,7 +617,7 @@ def test_wrapped_vae_files_its_records_on_every_call(prompts):
     assert out.decode(3) == 6 and out.encode(4) == 2
     assert log == [("one", "decode", out), ("one", "encode", out)]
     assert vae.calls == [("decode", 3), ("encode", 4)], "the shared state is the input's (a shallow copy)"
-    assert glue.prompt_log(PROMPT).records == [{"node": "SDOptVAEPrecision", "requested": "fp16", "active": "fp16", "note": ""}]
+    assert glue.prompt_log(PROMPT).records == [{"node": "SDOptVAEPrecision", "requested": "fp16", "active": "fp16", "note": "", "short": ""}]
     out.decode(1)
     assert len(glue.prompt_log(PROMPT).records) == 1, "one record per node, however many calls"
     glue._prompts.clear()
@@ -853,7 +854,7 @@ def test_attention_node_records_what_ran_in_each_run(comfy_attention):
     options = m.model_options["transformer_options"]
     assert options["kept"] == 1
     records = glue.model_records(m.model_options)
-    assert records == [{"node": "SDOptAttention", "requested": "sliced", "active": "sliced", "note": ""}]
+    assert records == [{"node": "SDOptAttention", "requested": "sliced", "active": "sliced", "note": "", "short": ""}]
     override = options[attention_node.OVERRIDE_KEY]
     q, k, v = _packed_qkv()
     run = SamplingRun("r", "cpu", records)
@@ -861,7 +862,8 @@ def test_attention_node_records_what_ran_in_each_run(comfy_attention):
         torch.testing.assert_close(override(Recorder(), q, k, v, 4), _sdpa_packed(q, k, v, 4), atol=1e-5, rtol=0)
         assert run.optimizations[0]["active"] == "sliced"
         override(Recorder(), q, k, v, 4, scale=0.5)
-    assert run.optimizations == [{"node": "SDOptAttention", "requested": "sliced", "active": "sliced", "note": attention_node.DELEGATED}]
+    assert run.optimizations == [{"node": "SDOptAttention", "requested": "sliced", "active": "sliced", "note": attention_node.DELEGATED,
+                                  "short": "some calls ran ComfyUI's own attention (custom scale or grouped-query)"}]
     assert records[0]["note"] == "", "the model's own record is not changed by a run"
 
 
@@ -882,6 +884,7 @@ def test_attention_node_falls_back_with_a_note(comfy_attention):
     (m,) = attention_node.SDOptAttention().patch(_attention_model(), "sdpa_efficient", "fallback", 0, 32)
     (record,) = glue.model_records(m.model_options)
     assert record["active"] == "sdpa" and record["note"] == "fallback from sdpa_efficient to sdpa: sdpa_efficient needs CUDA"
+    assert record["short"] == "ran sdpa instead of sdpa_efficient", "one line for the report table"
     with pytest.raises(UserError, match="needs CUDA"):
         attention_node.SDOptAttention().patch(_attention_model(), "sdpa_efficient", "error", 0, 32)
 
@@ -1434,3 +1437,73 @@ def test_sequential_cfg_splits_sdxls_y_with_the_batch(patcher_extension, comfy_a
     out = apply_model(executor, x, t, None, context, None, {}, y=y)
     assert seen == [(1, 1), (1, 1)], "cond and uncond one after the other, each with its own y"
     torch.testing.assert_close(out, unet._forward(x, t, context, y), rtol=1e-5, atol=1e-6)
+
+
+# --- inputs: one message per bad input, under its own name, for every node ---------------------------
+
+
+def _checked_nodes():
+    from sdopt.nodes.registry import NODE_CLASS_MAPPINGS
+
+    # Tiled VAE checks its inputs itself (tests/host/nodes/test_tiled_vae.py); Doctor takes only a file prefix it saves under
+    return {name: cls for name, cls in NODE_CLASS_MAPPINGS.items() if name not in ("SDOptTiledVAE", "SDOptDoctor")}
+
+
+def _spec(cls) -> dict:
+    return {name: entry for kind, section in cls.INPUT_TYPES().items() if kind != "hidden" for name, entry in section.items()}
+
+
+def _good(kind, options):
+    if isinstance(kind, list):
+        return options.get("default", kind[0])
+    return options.get("default", {"BOOLEAN": False, "STRING": "x", "INT": 1, "FLOAT": 1.0}.get(kind))
+
+
+def _bad(kind, options):
+    if isinstance(kind, list):
+        return "not-an-option"
+    if kind in ("INT", "FLOAT"):
+        return options["min"] - 1 if "min" in options else "many"
+    return {"BOOLEAN": "yes", "STRING": 5}.get(kind)
+
+
+CHECKED_INPUTS = [(name, input_name) for name, cls in _checked_nodes().items() for input_name, (kind, *rest) in _spec(cls).items()
+                  if _bad(kind, rest[0] if rest else {}) is not None]
+
+
+@pytest.mark.parametrize("node,input_name", CHECKED_INPUTS, ids=[f"{n}.{i}" for n, i in CHECKED_INPUTS])
+def test_a_bad_value_gets_one_message_under_its_own_input(node, input_name):
+    cls = _checked_nodes()[node]
+    spec = _spec(cls)
+    values = {name: _good(kind, rest[0] if rest else {}) for name, (kind, *rest) in spec.items()}
+    kind, *rest = spec[input_name]
+    values[input_name] = _bad(kind, rest[0] if rest else {})
+    with pytest.raises(UserError) as raised:
+        getattr(cls(), cls.FUNCTION)(**values)
+    message = str(raised.value)
+    assert message.startswith(f"{input_name}: "), message
+    others = [name for name in spec if name != input_name and re.search(rf"(?<!\w){name}: ", message)]
+    assert others == [], f"the message is filed under {others} too: {message}"
+    assert "; " not in message, "one message"
+
+
+def test_two_bad_inputs_get_a_message_each():
+    with pytest.raises(UserError) as raised:
+        glue.check_inputs(attention_node.SDOptAttention, backend="fastest", on_unavailable="fallback", slice_size=-1, memory_budget_mb=0)
+    assert str(raised.value) == (
+        f"backend: 'fastest' is not offered (choose one of {', '.join(attention_node.attention_choices())}); "
+        "slice_size: -1 is below its minimum (give 0 or more); memory_budget_mb: 0 is below its minimum (give 1 or more)"
+    )
+
+
+@pytest.mark.parametrize("kind,options,value,problem", [
+    ("INT", {"min": 1, "max": 64}, 65, "65 is above its maximum (give 64 or less)"),
+    ("INT", {}, 2.5, "2.5 is not a whole number"),
+    ("INT", {}, True, "True is not a whole number"),
+    ("FLOAT", {}, float("nan"), "nan is not a number"),
+    ("FLOAT", {"min": 0.0}, 0.5, None),
+    ("BOOLEAN", {}, 1, "1 is not true or false"),
+    ("MODEL", {}, object(), None),
+])
+def test_input_problems(kind, options, value, problem):
+    assert glue._input_problem(kind, options, value) == problem

@@ -5,9 +5,12 @@ reasons, regional blocks past torch's default limit, and the persistent artifact
 Tolerances: the eager and aot_eager backends run the same kernels, so they match exactly up to
 float32 reordering (2e-5); inductor fuses and reorders reductions (1e-4 relative on fp32).
 """
+import logging
 import os
 import shutil
+import time
 import timeit
+import types
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from sdopt.optim.compile import (
     INDUCTOR_CACHE_VAR, TRITON_CACHE_VAR, ArtifactCache, CompileConfig, CompileStats, cache_entries, compile_forward,
     foreign_items, nchw_conv_weight_bytes, purge_cache, repeated_blocks, unavailable_reason,
 )
+from sdopt.optim import compile as compile_module
 from sdopt.optim.precision import converted_copy
 
 
@@ -40,6 +44,13 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def no_speed_trials(request, monkeypatch):
+    """Every test but the speed trial's own looks at compiled code, which a trial's eager call would skip."""
+    if "speed_trial" not in request.node.name:
+        monkeypatch.setattr(compile_module, "TRIAL_CALLS", 0)
 
 
 @pytest.mark.parametrize("config", [
@@ -353,3 +364,167 @@ def test_regional_blocks_of_more_shapes_than_the_recompile_limit_all_compile():
     fast(x)
     torch.testing.assert_close(fast(x), module(x))
     assert fast.stats.compilations == len(module.blocks), fast.stats.summary()
+
+
+# --- what torch gave up on, and graphs made by another compile --------------------------------------
+
+
+def reads_a_file(x):
+    """A function torch cannot trace whole: ``open`` breaks the graph, as psutil does in ComfyUI's CPU attention."""
+    with open(os.devnull) as handle:
+        handle.read()
+    return x * 2 + 1
+
+
+class CallsAFileReader(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return reads_a_file(self.proj(x)).relu()
+
+
+def test_a_graph_break_and_the_function_torch_gave_up_on_are_named_with_reason_and_fix():
+    module = CallsAFileReader()
+    fast = compile_forward(module, lambda m, x: m(x), CompileConfig(backend="eager"))
+    x = torch.randn(2, 4)
+    fast(x)
+    torch.testing.assert_close(fast(x), module(x))
+    stats = fast.stats
+    ((reason, functions),) = stats.graph_breaks.items()
+    assert "`open`" in reason and "\n" not in reason
+    assert functions[0].startswith("reads_a_file (test_compile.py:"), "the function with the untraceable call comes first"
+    assert not any(name.startswith("forward (compile.py") for name in functions), "sdopt's own wrapper is not named"
+    assert any(gave_up.function.startswith("reads_a_file") for gave_up in stats.gave_up.values()), stats.gave_up
+    details = "; ".join(stats.details())
+    assert f"graph break ({reason}) in reads_a_file" in details and compile_module.GRAPH_BREAK_FIX in details
+    assert "torch gave up on" in details and compile_module.EAGER_FRAME_FIX in details
+    assert stats.shortfall().startswith(f"{len(stats.gave_up)} function(s) ran eagerly (")
+    assert "graph broken in" in stats.shortfall()
+
+
+def test_a_model_torch_traces_whole_has_nothing_to_report():
+    module = torch.nn.Linear(4, 4)
+    fast = compile_forward(module, lambda m, x: m(x) * 2, CompileConfig(backend="eager"))
+    x = torch.randn(2, 4)
+    fast(x), fast(x)
+    assert fast.stats.compilations == 1
+    assert (fast.stats.graph_breaks, fast.stats.gave_up, fast.stats.reused) == ({}, {}, {})
+    assert fast.stats.details() == [] and fast.stats.shortfall() == ""
+
+
+def test_torchs_recompile_limit_warning_names_the_function_it_gave_up_on():
+    """Faked: the warning as torch logs it (torch/_dynamo/convert_frame.py), while a compile is accounted."""
+    stats = CompileStats(owner="test")
+    warn = logging.getLogger("torch._dynamo.convert_frame").warning
+    with compile_module.accounted(stats):
+        warn("torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: %s\nTo log all recompilation reasons, use "
+             'TORCH_LOGS="recompiles".', "recompile_limit", 8,
+             "'torch_dynamo_resume_in_attention_sub_quad_at_234' (/comfy/ldm/modules/attention.py:234)",
+             "17/7: tensor 'key' size mismatch at index 2. expected 77, actual 16")
+    warn("torch._dynamo hit config.%s (%s)\n   function: %s\n", "recompile_limit", 8, "'outside' (/x.py:1)")  # no compile accounted
+    (gave_up,) = stats.gave_up.values()
+    assert gave_up.function == "attention_sub_quad (attention.py:234)"
+    assert gave_up.reason == "hit torch's recompile_limit (8); last recompile because tensor 'key' size mismatch at index 2. expected 77, actual 16"
+    assert gave_up.fix == compile_module.RECOMPILE_LIMIT_FIX
+    assert "torch gave up on attention_sub_quad (attention.py:234) (hit torch's recompile_limit (8)" in stats.details()[0]
+    assert stats.shortfall() == "1 function(s) ran eagerly (attention_sub_quad (attention.py:234))"
+
+
+def test_compilation_metrics_file_breaks_and_eager_frames_but_leave_the_limit_to_its_warning():
+    """Faked: torch's CompilationMetrics of a split frame, a frame it gave up on, and a recompile-limit hit."""
+    def metric(co_name, restart=(), fail_type=None, fail_reason=None):
+        return types.SimpleNamespace(co_name=co_name, co_filename="/comfy/attention.py" if co_name else None, co_firstlineno=7,
+                                     restart_reasons=set(restart), fail_type=fail_type, fail_reason=fail_reason)
+
+    stats = CompileStats()
+    unsupported = "Failed to trace builtin operator\n  Explanation: Dynamo does not know how to trace `open`. More.\n  Hint: avoid it"
+    compile_module.note_metric(stats, metric("forward", restart=[unsupported]))
+    compile_module.note_metric(stats, metric("torch_dynamo_resume_in_get_free_memory_at_1265", restart=[unsupported]))
+    compile_module.note_metric(stats, metric("wrapper", fail_type="Unsupported", fail_reason=unsupported))
+    compile_module.note_metric(stats, metric(None, fail_type="Unsupported", fail_reason="Dynamo recompile limit exceeded"))
+    reason = "Failed to trace builtin operator: Dynamo does not know how to trace `open`"
+    assert stats.graph_breaks == {reason: ["get_free_memory (attention.py:7)", "forward (attention.py:7)"]}
+    assert list(stats.gave_up) == ["wrapper (attention.py:7)"]
+    assert stats.gave_up["wrapper (attention.py:7)"].reason == reason
+
+
+def test_graph_break_reasons_tell_a_whole_graph_from_a_broken_one():
+    x = torch.randn(3)
+    assert compile_module.graph_break_reasons(lambda t: torch.nn.functional.gelu(t) * 2, x) == []
+    reasons = compile_module.graph_break_reasons(reads_a_file, x)
+    assert reasons and "`open`" in reasons[0]
+
+
+def test_each_compiled_model_keeps_the_pieces_a_graph_break_leaves_outside():
+    """Where torch isolates recompiles, a second model compiles its own pieces and reuses nothing."""
+    if not compile_module.isolated_recompiles():
+        pytest.skip("this torch shares every function's entries between compiled models")
+    x = torch.randn(2, 4)
+    first, second = (compile_forward(CallsAFileReader(), lambda m, t: m(t), CompileConfig(backend="eager")) for _ in range(2))
+    for fast in (first, second):
+        fast(x), fast(x)
+    assert second.stats.compilations == first.stats.compilations > 1
+    assert second.stats.reused == {} and second.stats.isolated
+    assert "its own (torch's isolate_recompiles)" in "; ".join(second.stats.details())
+
+
+def test_graphs_made_by_an_earlier_compile_are_counted_with_their_owner(monkeypatch):
+    """Without isolation (older torch, faked by switching it off) the pieces outside sdopt's own code
+    are shared: the second model runs graphs the first compiled, and says whose."""
+    monkeypatch.setattr(compile_module, "isolated_recompiles", lambda: {})
+    x = torch.randn(2, 4)
+    first, second = (compile_forward(CallsAFileReader(), lambda m, t: m(t), CompileConfig(backend="eager")) for _ in range(2))
+    for fast in (first, second):
+        fast(x), fast(x)
+    assert first.stats.reused == {}
+    assert second.stats.compilations < first.stats.compilations
+    ((owner, graphs),) = second.stats.reused.items()
+    assert owner == first.stats.owner and owner.startswith("sdopt compiled model #") and graphs >= 1
+    assert f"reused {graphs} graph(s) compiled earlier in this process by {owner}" in second.stats.details()
+    assert "shared with every compiled model in this process" in "; ".join(second.stats.details())
+
+
+# --- the speed trial: compiled code slower than eager turns itself off, on a CPU --------------------
+
+
+def slowed(seconds: float):
+    """A torch.compile backend whose compiled code runs ``seconds`` longer than eager."""
+    def backend(graph_module, _example_inputs):
+        def run(*args):
+            time.sleep(seconds)
+            return graph_module(*args)
+        return run
+    return backend
+
+
+def test_speed_trial_turns_off_a_signature_whose_compiled_code_is_slower(monkeypatch):
+    monkeypatch.setattr(compile_module, "MIN_TRIAL_SECONDS", 0.0)
+    module = torch.nn.Linear(4, 4)
+    fast = compile_forward(module, lambda m, x: m(x) * 2, CompileConfig(backend="eager"))
+    fast._compiled = torch.compile(fast._compiled._torchdynamo_orig_callable, backend=slowed(0.02))
+    x = torch.randn(2, 4)
+    outputs = [fast(x) for _ in range(6)]  # eager first call, compile, eager reference, 2 compiled, then eager
+    for out in outputs:
+        torch.testing.assert_close(out, module(x) * 2)
+    (trial,) = fast.stats.slower_than_eager.values()
+    assert len(trial.compiled_seconds) == compile_module.TRIAL_CALLS and trial.speedup < compile_module.SLOWER_THAN_EAGER
+    started = time.perf_counter()
+    fast(x)
+    assert time.perf_counter() - started < 0.02, "after the trial the signature runs eagerly"
+    assert fast.stats.shortfall() == "off for 1 input signature(s): compiled ran slower than eager"
+    assert "turned itself off for one input signature: compiled" in fast.stats.details()[0]
+
+
+def test_speed_trial_keeps_compiled_code_that_is_as_fast(monkeypatch):
+    monkeypatch.setattr(compile_module, "MIN_TRIAL_SECONDS", 0.0)
+    trial = compile_module.SpeedTrial()
+    trial.add(True, 0.100)
+    trial.add(False, 0.104)
+    assert not trial.decided
+    trial.add(False, 0.099)
+    assert trial.decided and not trial.compiled_slower and trial.speedup == pytest.approx(0.100 / 0.099)
+    short = compile_module.SpeedTrial(eager_seconds=0.001)
+    monkeypatch.setattr(compile_module, "MIN_TRIAL_SECONDS", 0.01)
+    assert short.decided and not short.compiled_slower, "a call too short to time is left compiled"
