@@ -7,8 +7,9 @@ follow a LoRA loaded downstream through the stock LoraLoaderModelOnly at every s
 channels-last conv weights (Precision's channels_last), whose layout the LoRA must keep. A LoRA
 loaded before the node (its strength changed upstream, so the node runs again) is used as well.
 
-On SDXL the model goes through sdopt Attention (sdpa) first: ComfyUI's CPU attention splits the
-compiled graph (issue 20, where Compile learns to route attention itself). Its whole-UNet and
+On SDXL the model goes through sdopt Attention (sdpa) first, as the sdxl_fast workflow wires it;
+Compile wired alone, on both families, routes attention through sdpa itself where ComfyUI's CPU
+attention would split the compiled graph, and compiles once. Its whole-UNet and
 regional compiles run through aot_eager: dynamo captures the UNet with SDXL's ``y`` input as on
 inductor, while inductor's code generation, whose numerics do not depend on the family and are held
 on SD1.5 above, took 13 minutes for the SDXL mini on this 2-core CPU.
@@ -167,3 +168,29 @@ def test_compile_then_graph_share_one_fast_path(comfy_host, mini):
     assert fast_path(comfy_host, again).compile_config.mode == "compile_regional"
     assert fast_path(comfy_host, patched).compile_config.mode == "trace", "the upstream clone keeps its own fast path"
     assert comfy_host.wrapper_counts(again, comfy_host.glue.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
+
+
+# SDXL through aot_eager: dynamo captures the same graph as on inductor, which is what is counted here.
+@pytest.mark.parametrize("family,backend", [("sd15", "inductor"), ("sdxl", "aot_eager")])
+def test_compile_wired_alone_compiles_once_and_its_record_says_how_attention_ran(request, comfy_host, prompt_context, family, backend):
+    """Straight after the checkpoint, without sdopt Attention: where ComfyUI's attention breaks the graph
+    (its CPU attention asks psutil for free memory), Compile routes attention through sdpa itself."""
+    torch._dynamo.reset()
+    host, _, loaded, stock = _family(request, comfy_host, family)
+    patched = compiled(comfy_host, loaded, "compile", backend)
+    profiled = host.nodes["SDOptProfiler"]().apply(patched, "compile alone")[0]
+    assert close(host.sample(profiled), stock)
+    (stats,), _ = fast_path(comfy_host, patched).stats()
+    assert stats.compilations == 1, stats.summary()
+    assert (stats.graph_breaks, stats.gave_up, stats.reused) == ({}, {}, {}), stats.details()
+    (run,) = comfy_host.glue.prompt_log(prompt_context).runs
+    (record,) = [o for o in run["optimizations"] if o["node"] == "SDOptCompile"]
+    host_attention = comfy_host.glue.comfy_attention().optimized_attention
+    dtype = loaded.model.manual_cast_dtype or loaded.model_dtype()
+    breaks = comfy_host.pack("nodes.compile").host_attention_breaks(host_attention, str(torch.device(loaded.load_device)), dtype)
+    routed = f"attention routed through sdopt's sdpa: ComfyUI's {host_attention.__name__} breaks torch.compile's graph ({breaks[0]})" if breaks else ""
+    assert (routed in record["note"]) if breaks else "attention routed" not in record["note"]
+    if torch.device(loaded.load_device).type == "cpu":
+        assert "`open`" in breaks[0], "psutil reads /proc/meminfo with open(), which dynamo cannot trace"
+    assert record["short"] == "", "it did what was asked"
+    assert "optimized_attention_override" not in loaded.model_options.get("transformer_options", {}), "the input model is unchanged"
