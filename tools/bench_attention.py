@@ -14,7 +14,6 @@ import ctypes.util
 from dataclasses import asdict, dataclass
 
 import torch
-from tqdm import tqdm
 
 from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, MEMORY_RAM, PeakMemory, format_mib
@@ -22,6 +21,8 @@ from ..measure.report import markdown_table
 from ..optim.attention import AttentionConfig, available, backend_function, backend_names, get_backend
 from ..optim.attention_auto import check_against_naive, time_attention
 from ..optim.precision import COMPUTE_DTYPES, DTYPES
+from .progress import progress_bar
+
 SEED = 0
 
 STATUS_OK = "ok"
@@ -75,7 +76,7 @@ def bench_attention(
         raise UserError("tokens, heads, head dim and repeats must be >= 1")
     config = config or AttentionConfig()
     rows = []
-    with tqdm(total=len(tokens) * len(names), desc="attention", unit="run", disable=not progress) as bar:
+    with progress_bar(total=len(tokens) * len(names), desc="attention", unit="run", disable=not progress) as bar:
         for count in tokens:
             q, k, v = _inputs(count, heads, head_dim, torch_dtype, torch_device)
             for name in names:

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, PeakMemory, format_mib
@@ -40,6 +39,7 @@ from .bench_speed import empty_latent, encode_prompts, optimization_notes, profi
 from .bench_unet import checkpoint_path
 from .bench_vae import psnr
 from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, lowmem_setting
+from .progress import progress_bar
 
 STOCK, SDOPT = "stock", "sdopt"
 OK, OUT_OF_MEMORY, PREDICTED_OOM = "ok", "out of memory", "predicted OOM"
@@ -206,7 +206,7 @@ def bench_resolutions(
     oom_errors = _oom_errors(mm)
     rows, stock_images = [], {}
     cells = [(size, stack) for size in sizes for stack in (STOCK, SDOPT)]
-    bar = tqdm(cells, desc=f"resolutions {path.stem} {steps} steps", unit="cell", disable=not progress)
+    bar = progress_bar(cells, desc=f"resolutions {path.stem} {steps} steps", unit="cell", disable=not progress)
     for size, stack in bar:
         bar.set_postfix_str(f"{size} px {stack}")
         allocated = _release(mm, memory)

@@ -38,13 +38,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table
 from ..measure.step_profile import profile_device
 from .bench_unet import checkpoint_path
+from .progress import progress_bar
 
 PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
 SEED, CFG, SAMPLER, SCHEDULER = 42, 7.0, "euler", "normal"
@@ -303,7 +303,7 @@ def bench_speed(
     built.update(_diffusers_rungs(base, path, model, [n for n in names if n in (DIFFUSERS, DIFFUSERS_COMPILE)]))
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
     twins = {rung.eager: rung.eager_model for rung in built.values() if rung.eager and rung.eager not in built}
-    bar = tqdm(total=len(names) * (rounds + 1 + profile) + len(twins), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
+    bar = progress_bar(total=len(names) * (rounds + 1 + profile) + len(twins), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
     for name in names:
         samples, run, wall = sample_rung(host, built[name], name, latent, conds, steps)
         first[name] = (wall, run)

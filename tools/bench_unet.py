@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..errors import UserError
 from ..families import MODEL_NAMES, family_of_config_class, resolve_model
@@ -29,6 +28,7 @@ from ..measure.profiler import MEMORY_LABELS, PeakMemory, Timeline, format_mib, 
 from ..measure.report import markdown_table
 from .bench_attention import trim_heap
 from .modelgen import write_checkpoint
+from .progress import progress_bar
 
 SEED = 0
 REFERENCE = "fp32"
@@ -168,7 +168,7 @@ def bench_unet(
     rows, reference = [], None
     order = [(name, 0) for name in [REFERENCE] + [d for d in weight_dtypes if d != REFERENCE]]
     order += [(REFERENCE, low_memory_mb)] if low_memory_mb else []
-    for name, budget in tqdm(order, desc=f"unet {path.stem} {resolution}px", unit="row", disable=not progress):
+    for name, budget in progress_bar(order, desc=f"unet {path.stem} {resolution}px", unit="row", disable=not progress):
         patched = node.patch(base, weight_dtype=name, compute_dtype="default", tf32=False, channels_last=False)[0]
         (record,) = [r for r in glue.model_records(patched.model_options) if r["node"] == NODE]
         active = record["active"]

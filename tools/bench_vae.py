@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..errors import UserError
 from ..families import MODEL_NAMES, VAE_PREFIX, checkpoint_config, resolve_model
@@ -30,6 +29,7 @@ from ..measure.profiler import format_mib, peak_rss_growth
 from ..measure.report import markdown_table
 from .bench_attention import trim_heap
 from .modelgen import diffusers_vae_config, generate_tensor, vae_ldm_specs
+from .progress import progress_bar
 
 SEED = 0
 UNTILED = "untiled"
@@ -165,7 +165,7 @@ def bench_vae(
     rows = []
     runs = [(size, keep) for size in sizes for keep in (None, *keep_intermediates)]
     with tempfile.TemporaryDirectory(prefix="sdopt-bench-vae-") as folder:
-        bar = tqdm(runs, desc="vae decode", unit="run", disable=not progress)
+        bar = progress_bar(runs, desc="vae decode", unit="run", disable=not progress)
         for size, keep in bar:
             name = UNTILED if keep is None else f"{TILED}-keep-{keep}"
             bar.set_postfix_str(f"{size} px {name}")

@@ -134,7 +134,7 @@ def _bench_vae(args: argparse.Namespace) -> None:
 
 
 def _bench_suite(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     from ..measure.report import markdown_table
     from .bench_suite import FAILED, TIMED_OUT, check_budget, plan_phases, run_suite, select, write_suite
@@ -151,7 +151,7 @@ def _bench_suite(args: argparse.Namespace) -> int:
         write_suite(args.out)
         print(f"wrote {args.out / 'suite.md'} and {args.out / 'suite.json'} from the phases in {args.out}")
         return 0
-    with tqdm(total=len(chosen), desc="bench suite", unit="phase", disable=not sys.stderr.isatty()) as bar:
+    with progress_bar(total=len(chosen), desc="bench suite", unit="phase") as bar:
         def started(phase):
             bar.write(f"phase {phase.number} ({phase.name}): {phase.title}, {phase.budget_s / 60:.1f} min planned")
 
@@ -210,14 +210,14 @@ def _cold_compiles(compiles: dict) -> str:
 def _doctor(args: argparse.Namespace) -> int:
     import time
 
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     from .doctor import CHECKS, FAILED, default_device, doctor_table, load_comfyui, run_checks, summary
 
     started = time.perf_counter()
     comfyui = None if args.no_comfyui else load_comfyui(args.comfyui)
     device = args.device or default_device(comfyui)
-    with tqdm(total=len(CHECKS), desc="doctor", unit="check", disable=not sys.stderr.isatty()) as bar:
+    with progress_bar(total=len(CHECKS), desc="doctor", unit="check") as bar:
         def progress(name):
             bar.set_postfix_str(name)
             bar.update()

@@ -228,6 +228,11 @@ class ComfyHost:
         finally:
             sys.argv = argv
         self._execution, self._folder_paths, self._nodes = execution, folder_paths, nodes
+        import comfy.utils
+
+        # ComfyUI's samplers also draw a tqdm bar on the console; off a terminal it is only partial
+        # lines and escape codes in a log. Its ProgressBar (the browser's) is another thing, left on.
+        comfy.utils.set_progress_bar_enabled(sys.stderr.isatty())
         with _quiet_logging():
             asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
             loaded = asyncio.run(nodes.load_custom_node(str(PACK_ROOT)))

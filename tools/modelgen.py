@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..errors import UserError
 from ..families import (
@@ -37,6 +36,7 @@ from ..families import (
     resolve_model,
 )
 from ..optim.precision import DTYPES
+from .progress import progress_bar
 
 # The model names the generator knows (bench_* import this name).
 SIZES = MODEL_NAMES
@@ -494,7 +494,7 @@ def _write_safetensors(
     try:
         with os.fdopen(descriptor, "wb") as file:
             file.write(_safetensors_header(specs, torch_dtype, metadata))
-            for key, spec in tqdm(specs.items(), desc=desc, unit="tensor", disable=not progress):
+            for key, spec in progress_bar(specs.items(), desc=desc, unit="tensor", disable=not progress):
                 file.write(generate_tensor(key, spec, seed, torch_dtype).numpy())
             file.flush()
             os.fsync(file.fileno())

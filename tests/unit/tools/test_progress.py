@@ -1,0 +1,43 @@
+"""progress_bar: tqdm on a terminal; off one, one plain line per finished item and no cursor codes."""
+import io
+
+from tqdm import tqdm
+
+from sdopt.tools.progress import LogLines, progress_bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_off_a_terminal_each_finished_item_is_one_plain_line():
+    log = io.StringIO()
+    bar = progress_bar(["512", "1024", "2048"], desc="vae decode", unit="run", file=log)
+    assert isinstance(bar, LogLines)
+    for size in bar:
+        bar.set_postfix_str(f"{size} px")
+    lines = log.getvalue().splitlines()
+    assert [line.split(", ")[0] for line in lines] == ["vae decode: 1/3 runs", "vae decode: 2/3 runs", "vae decode: 3/3 runs"]
+    assert lines[0].endswith(" s (512 px)") and lines[2].endswith(" s (2048 px)"), "the postfix of the item that finished"
+    assert "\r" not in log.getvalue() and "\x1b" not in log.getvalue()
+    assert log.getvalue().endswith(" px)\n"), "closing adds nothing"
+
+
+def test_manual_updates_without_a_total_and_a_disabled_bar():
+    log = io.StringIO()
+    with progress_bar(desc="checks", unit="check", file=log) as bar:
+        bar.update()
+        bar.set_postfix_str("sdpa")  # no progress: no line
+        bar.update(2)
+    assert [line.split(", ")[0] for line in log.getvalue().splitlines()] == ["checks: 1/? checks", "checks: 3/? checks"]
+    quiet = io.StringIO()
+    with progress_bar(total=3, file=quiet, disable=True) as bar:
+        bar.update()
+    assert quiet.getvalue() == ""
+
+
+def test_on_a_terminal_it_is_tqdms_bar():
+    bar = progress_bar(total=2, file=Terminal())
+    assert type(bar) is tqdm
+    bar.close()
