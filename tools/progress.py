@@ -36,6 +36,12 @@ class LogLines(tqdm):
         self.fp.flush()
         return True
 
+    def clear(self, nolock=False):
+        """Nothing to clear: lines are never redrawn (``tqdm.write`` calls this around its message)."""
+
+    def moveto(self, n):
+        """No cursor to move."""
+
     def close(self):
         if self.disable:
             return super().close()

@@ -31,6 +31,11 @@ def test_manual_updates_without_a_total_and_a_disabled_bar():
         bar.set_postfix_str("sdpa")  # no progress: no line
         bar.update(2)
     assert [line.split(", ")[0] for line in log.getvalue().splitlines()] == ["checks: 1/? checks", "checks: 3/? checks"]
+    with progress_bar(total=1, desc="suite", unit="phase", file=log) as bar:
+        bar.write("phase 1 starts", file=log)
+        bar.update()
+    assert log.getvalue().endswith("phase 1 starts\nsuite: 1/1 phases, " + log.getvalue().rsplit(", ", 1)[1])
+    assert "\r" not in log.getvalue() and "\x1b" not in log.getvalue()
     quiet = io.StringIO()
     with progress_bar(total=3, file=quiet, disable=True) as bar:
         bar.update()
