@@ -253,14 +253,16 @@ def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = 
     """A deep copy of ``module`` with its floating-point parameters and buffers in ``dtype``
     (4-D ones channels-last if asked); ``module`` is left as it is.
 
-    Each tensor is converted while it is copied, so an unconverted copy never exists.
+    Each tensor is converted while it is copied, so an unconverted copy never exists. The copy's
+    parameters never require grad: ComfyUI's weight patches (LoRAs) write parameters that do not,
+    and a compiled model guards on the flag, so a differing one would recompile on every LoRA.
     """
     memo = {}
     for p in module.parameters():
         if p.is_floating_point():
             memo[id(p)] = nn.Parameter(
                 p.detach().to(dtype=dtype, memory_format=_memory_format(p, channels_last), copy=True),
-                requires_grad=p.requires_grad,
+                requires_grad=False,
             )
     for b in module.buffers():
         if b.is_floating_point():

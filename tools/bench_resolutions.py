@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -168,7 +169,12 @@ def _run_cell(host, model, vae, memory: PeakMemory, size: int, conds, steps: int
 
 
 @torch.inference_mode()
-def bench_resolutions(
+def bench_resolutions(*args, **kwargs) -> list[ResolutionRow]:
+    """Every row of ``resolution_rows``."""
+    return list(resolution_rows(*args, **kwargs))
+
+
+def resolution_rows(
     comfyui: Path,
     model: str = "mini",
     sizes: list[int] = (512, 1024, 2048),
@@ -178,8 +184,9 @@ def bench_resolutions(
     models: Path | None = None,
     progress: bool = True,
     offload_mb: int = OFFLOAD_BUDGET_MB,
-) -> list[ResolutionRow]:
-    """Rows per size, stock then sdopt; ``offload_mb`` is the sdopt stack's Offload budget (0: sequential)."""
+) -> Iterator[ResolutionRow]:
+    """Rows per size, stock then sdopt, each as soon as its cell is done; ``offload_mb`` is the sdopt
+    stack's Offload budget (0: sequential)."""
     from .headless import boot
 
     if not sizes:
@@ -204,7 +211,7 @@ def bench_resolutions(
     stacks = _stacks(host, base, vae, offload_mb)
     memory = PeakMemory(base.load_device)
     oom_errors = _oom_errors(mm)
-    rows, stock_images = [], {}
+    stock_images = {}
     cells = [(size, stack) for size in sizes for stack in (STOCK, SDOPT)]
     bar = progress_bar(cells, desc=f"resolutions {path.stem} {steps} steps", unit="cell", disable=not progress)
     for size, stack in bar:
@@ -218,22 +225,21 @@ def bench_resolutions(
                    vram_cap_bytes=host.vram_cap_bytes)
         if not should_run(predicted, budget, confirm, on_gpu):
             why = "" if on_gpu or not confirm else "not confirmed: on a CPU, running out of memory can take the machine down"
-            rows.append(ResolutionRow(status=PREDICTED_OOM, notes=why, **row))
+            yield ResolutionRow(status=PREDICTED_OOM, notes=why, **row)
             continue
         try:
             image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[stack], memory, size, conds[size], steps, stack)
         except oom_errors as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            rows.append(ResolutionRow(status=OUT_OF_MEMORY, notes=reason, **row))
+            yield ResolutionRow(status=OUT_OF_MEMORY, notes=reason, **row)
             continue
         if stack == STOCK:
             stock_images[size] = image
         # Decoded images are in [0, 1]; psnr takes decoder outputs in [-1, 1].
         similarity = psnr(image * 2 - 1, stock_images[size] * 2 - 1) if stack == SDOPT and size in stock_images else None
-        rows.append(ResolutionRow(status=OK, seconds=sampler_s + decode_s, sampler_s=sampler_s, decode_s=decode_s,
-                                  peak_memory_bytes=peak, psnr_vs_stock_db=similarity, notes=notes, **row))
+        yield ResolutionRow(status=OK, seconds=sampler_s + decode_s, sampler_s=sampler_s, decode_s=decode_s,
+                            peak_memory_bytes=peak, psnr_vs_stock_db=similarity, notes=notes, **row)
     _release(mm, memory)
-    return rows
 
 
 def _cell_text(row: ResolutionRow | None) -> list[str]:

@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 SUITE_MD, SUITE_JSON = "suite.md", "suite.json"
 GIB = 2**30
 MIB = 2**20
-DONE, FAILED, TIMED_OUT, SKIPPED = "done", "failed", "timed out", "skipped"
+DONE, FAILED, TIMED_OUT, SKIPPED, PARTIAL = "done", "failed", "timed out", "skipped", "partial"
 LOG_LINES = 300
 
 SPEED_LADDER = ["stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", "compile+graph+channels_last", "TorchCompileModel"]
@@ -220,8 +220,12 @@ def _run_child(out: Path, phase: Phase, limit_s: float) -> PhaseOutcome:
     if status != DONE:
         tail = "\n".join(lines[-20:])
         error += f"; the last lines of {log.name}:\n{tail}"
-        write_phase(out, phase, {"rows": [], "skipped": [], "markdown": f"**{status}**: {error.split(';')[0]}; see `{log.name}`.",
-                                 "plots": [], "status": status}, seconds)
+        partial = json.loads(result.read_text()) if result.exists() else {}
+        finished = partial.get("rows", []) if partial.get("status") == PARTIAL else []
+        markdown = f"**{status}**: {error.split(';')[0]}; see `{log.name}`."
+        if finished:
+            markdown += f" The {len(finished)} row(s) it finished:\n\n" + partial["markdown"]
+        write_phase(out, phase, {"rows": finished, "skipped": [], "markdown": markdown, "plots": [], "status": status}, seconds)
     return PhaseOutcome(phase.number, phase.name, phase.title, status, seconds, skipped, error=error)
 
 
@@ -230,7 +234,7 @@ def write_phase(out: Path, phase: Phase, result: dict, seconds: float) -> None:
     device = _device_text()
     data = {"phase": phase.number, "name": phase.name, "title": phase.title, "device": device, "seconds": round(seconds, 1),
             "options": phase.options, "status": result.get("status", SKIPPED if phase.skip or (not result["rows"] and result["skipped"]) else DONE),
-            "rows": result["rows"], "skipped": result["skipped"], "plots": result["plots"]}
+            "rows": result["rows"], "skipped": result["skipped"], "plots": result["plots"], "markdown": result["markdown"]}
     lines = [f"## {phase.number}. {phase.title}", "", f"Device: {device}; {seconds:.0f} s.", ""]
     if result["markdown"]:
         lines += [result["markdown"], ""]
@@ -415,6 +419,10 @@ def run_vae(out: Path, phase: Phase) -> dict:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             for mode, injected in (("tiled", 0), ("tiled + injected OOM", 1)):
+                if injected and stats.last_resort:
+                    skipped[f"{mode} {size}²"] = (f"the plain tiled decode already ran at its last resort ({stats.describe()}): "
+                                                  "an out-of-memory error there is raised, with nothing smaller to retry")
+                    continue
                 hook = InjectedOOM(vae.decoder.conv_out, injected) if injected else None
                 try:
                     result, stats, seconds, peak = measured(lambda: _tiled(tiled_decode, vae, latent, config))
@@ -451,18 +459,27 @@ def _tiled(verb, vae, latent, config):
 
 
 def run_resolutions(out: Path, phase: Phase) -> dict:
-    from .bench_resolutions import bench_resolutions, resolutions_table, save_heatmap
+    """Each finished cell is written at once as the phase's partial result, so a phase stopped at its
+    time limit keeps the cells it finished."""
+    from .bench_resolutions import resolution_rows, resolutions_table, save_heatmap
 
     options = phase.options
-    rows = bench_resolutions(options["comfyui"] or os.environ.get("COMFYUI_PATH"), model=options["model"], sizes=options["sizes"],
-                             steps=options["steps"], vram_cap=options["vram_cap_gib"] * GIB, models=Path(options["models"]) if options["models"] else None,
-                             offload_mb=options["offload_mb"], progress=False)
-    plot = f"{phase.stem}.png"
-    plots = [] if save_heatmap(rows, out / plot) else [plot]
-    skipped = {f"{r.stack} at {r.size}²": r.status for r in rows if getattr(r, "status", "ok") != "ok"}
     heading = (f"`bench resolutions --model {options['model']} --sizes {','.join(map(str, options['sizes']))} --steps {options['steps']} "
                f"--vram-cap {options['vram_cap_gib']}GiB --offload-mb {options['offload_mb']}`")
-    return {"rows": [r.to_dict() for r in rows], "markdown": f"{heading}\n\n{resolutions_table(rows)}", "plots": plots, "skipped": _skips(skipped)}
+
+    def result(rows, plots=()):
+        skipped = {f"{r.stack} at {r.size}²": r.status for r in rows if getattr(r, "status", "ok") != "ok"}
+        return {"rows": [r.to_dict() for r in rows], "markdown": f"{heading}\n\n{resolutions_table(rows)}", "plots": list(plots),
+                "skipped": _skips(skipped)}
+
+    started, rows = time.monotonic(), []
+    for row in resolution_rows(options["comfyui"] or os.environ.get("COMFYUI_PATH"), model=options["model"], sizes=options["sizes"],
+                               steps=options["steps"], vram_cap=options["vram_cap_gib"] * GIB,
+                               models=Path(options["models"]) if options["models"] else None, offload_mb=options["offload_mb"]):
+        rows.append(row)
+        write_phase(out, phase, {**result(rows), "status": PARTIAL}, time.monotonic() - started)
+    plot = f"{phase.stem}.png"
+    return result(rows, [] if save_heatmap(rows, out / plot) else [plot])
 
 
 OFFLOAD_MODES = (("none", 0), ("budget", 1024), ("budget", 256), ("sequential", 0), ("unload_after", 0))

@@ -87,7 +87,8 @@ class TilingStats:
 
     ``stored``: tile values kept between passes; ``stored_wide``: those kept in the compute dtype
     because they passed ``store_dtype``'s range (``store_dtype`` names the narrow one, None when
-    values were kept in the compute dtype anyway)."""
+    values were kept in the compute dtype anyway). ``last_resort``: the tile was the smallest, with
+    intermediates recomputed, so an out-of-memory error there has nothing smaller to retry."""
 
     tiled: bool
     tile: int | None = None
@@ -104,6 +105,7 @@ class TilingStats:
     stored_wide: int = 0
     compute_dtype: str = ""
     reason: str = ""
+    last_resort: bool = False
 
     @property
     def tiles(self) -> int:

@@ -87,7 +87,7 @@ def _tiled(model: nn.Module, x: torch.Tensor, kind: str, config: TiledVAEConfig,
         True, tile=side * factor, grid=run.grid.shape, passes=run.passes, oom_retries=retries, tiles_tried=tuple(tried),
         kept_intermediates=keep, budget_bytes=budget, estimated_peak_bytes=run.estimate(), untiled_estimate_bytes=untiled,
         store_dtype=dtype_name(run.store_dtype) if run.store_dtype != x.dtype else None, stored=run.stored,
-        stored_wide=run.stored_wide, compute_dtype=dtype_name(x.dtype), reason=reason)
+        stored_wide=run.stored_wide, compute_dtype=dtype_name(x.dtype), reason=reason, last_resort=side <= smallest and not keep)
     return TiledResult(out, stats)
 
 

@@ -46,7 +46,7 @@ def test_cli_writes_json(comfy_host, tmp_path, capsys):
     assert main(argv) == 0
     (row,) = json.loads(out.read_text())
     assert row["weight_dtype"] == "fp32" and row["memory_kind"] in ("ram_rss", "vram_allocated")
-    assert "| sdopt-mini-sd15 | fp32 | weight=fp32, compute=fp32 | 64 | 2 |" in capsys.readouterr().out
+    assert "| sdopt-mini-sd15 | fp32 | — | weight=fp32, compute=fp32 | 64 | 2 |" in capsys.readouterr().out
 
 
 def test_bad_resolution_is_a_user_error(comfy_host, capsys):

@@ -123,6 +123,18 @@ def test_a_phase_past_its_time_limit_is_stopped(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "02-doctor.json").read_text())["status"] == TIMED_OUT
 
 
+def test_a_stopped_phase_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_suite, "DRY_PHASE_LIMIT_S", 0.2)
+    slow = Phase(8, "res-8gib", "res", "run_doctor", 240, {"comfyui": None})
+    bench_suite.write_phase(tmp_path, slow, {"rows": [{"size": 1024}], "skipped": [], "markdown": "| 1024² | done |", "plots": [],
+                                             "status": bench_suite.PARTIAL}, 5.0)
+    (outcome,) = run_suite(tmp_path, [slow], dry_run=True)
+    data = json.loads((tmp_path / "08-res-8gib.json").read_text())
+    assert outcome.status == data["status"] == TIMED_OUT and data["rows"] == [{"size": 1024}]
+    text = (tmp_path / "08-res-8gib.md").read_text()
+    assert "**timed out**" in text and "The 1 row(s) it finished" in text and "| 1024² | done |" in text
+
+
 def test_the_index_keeps_phases_of_earlier_runs(tmp_path):
     for phase in plan_phases()[:2]:
         bench_suite.write_phase(tmp_path, phase, {"rows": [{"x": 1}], "skipped": [], "markdown": f"{phase.name} table", "plots": []}, 3.0)
@@ -149,6 +161,14 @@ def test_vae_phase_retries_the_injected_out_of_memory_error(tmp_path):
     assert rows["tiled"]["oom_retries"] == 0
     assert retried["psnr_vs_untiled_db"] > 60 and rows["tiled"]["psnr_vs_untiled_db"] > 60
     assert "OOM retries" in result["markdown"]
+
+
+def test_vae_phase_skips_the_injected_error_where_the_tile_is_already_the_last_resort(tmp_path):
+    phase = by_name(plan_phases(dry_run=True))["vae"]
+    result = bench_suite.run_vae(tmp_path, replace_options(phase, sizes=[128], budget_mb=1))
+    assert [row["mode"] for row in result["rows"]] == ["untiled", "tiled"]
+    (skip,) = result["skipped"]
+    assert skip["what"] == "tiled + injected OOM 128²" and "last resort" in skip["why"] and "nothing smaller to retry" in skip["why"]
 
 
 def test_injected_oom_raises_as_often_as_asked():
