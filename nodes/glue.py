@@ -499,11 +499,85 @@ def model_family(model) -> ModelFamily:
 
 FAST_PATH_KEY = "sdopt.fast_path"
 _KEPT_OPTIONS = ("optimized_attention_override",)
+PLAIN_STEP, FULL_STEP, SHALLOW_STEP = "plain", "full", "shallow"
+
+
+def _schedule_position(transformer_options: dict) -> float | None:
+    """The fraction of the sampling schedule done at this call (from ComfyUI's ``sample_sigmas`` and
+    the call's ``sigmas``), or None where the sampler did not say."""
+    schedule, sigmas = transformer_options.get("sample_sigmas"), transformer_options.get("sigmas")
+    if schedule is None or sigmas is None or len(schedule) < 2:
+        return None
+    done = int((schedule[:-1] > float(sigmas.max()) * (1 + 1e-5)).sum())
+    return done / (len(schedule) - 1)
 
 
 def _diffusion_forward(options: dict, unet, *tensors):
     """The diffusion model's forward on its tensor inputs, in its family's order, with no control."""
     return unet._forward(*tensors, None, dict(options))
+
+
+def _cached_full_forward(options: dict, branch: int, unet, *tensors):
+    """(output, deep features) of the whole UNet, for the step cache to keep."""
+    from ..optim.step_cache import full_forward
+
+    return full_forward(comfy_unet_blocks(unet, dict(options)), branch, *tensors)
+
+
+def _cached_shallow_forward(options: dict, branch: int, unet, *tensors_and_deep):
+    """The UNet's output from its shallow branch and kept deep features (the last input)."""
+    from ..optim.step_cache import shallow_forward
+
+    *tensors, deep = tensors_and_deep
+    return shallow_forward(comfy_unet_blocks(unet, dict(options)), branch, *tensors, deep=deep)
+
+
+class ComfyUNetBlocks:
+    """ComfyUI's UNetModel as the step cache's ``UNetBlocks``: the same calls, in the same order,
+    with the same transformer options as its ``_forward`` without control or patches (the fast path
+    runs those calls eagerly)."""
+
+    def __init__(self, unet, transformer_options: dict):
+        from comfy.ldm.modules.diffusionmodules import openaimodel
+
+        self.unet, self.options, self.host = unet, transformer_options, openaimodel
+        self.depth = len(unet.input_blocks)
+
+    def _block(self, module, h, emb, context, output_shape=None):
+        return self.host.forward_timestep_embed(module, h, emb, context, self.options, output_shape,
+                                                num_video_frames=getattr(self.unet, "default_num_video_frames", None))
+
+    def embed(self, x, timesteps, y):
+        unet = self.unet
+        self.options["original_shape"] = list(x.shape)
+        self.options["transformer_index"] = 0
+        emb = unet.time_embed(self.host.timestep_embedding(timesteps, unet.model_channels, repeat_only=False).to(x.dtype))
+        return emb if unet.num_classes is None else emb + unet.label_emb(y)
+
+    def down(self, index, h, emb, context):
+        self.options["block"] = ("input", index)
+        return self._block(self.unet.input_blocks[index], h, emb, context)
+
+    def middle(self, h, emb, context):
+        self.options["block"] = ("middle", 0)
+        return h if self.unet.middle_block is None else self._block(self.unet.middle_block, h, emb, context)
+
+    def up(self, index, h, skip, emb, context, output_shape):
+        self.options["block"] = ("output", index)
+        return self._block(self.unet.output_blocks[index], torch.cat([h, skip], dim=1), emb, context, output_shape)
+
+    def head(self, h, x):
+        h = h.type(x.dtype)
+        return self.unet.id_predictor(h) if self.unet.predict_codebook_ids else self.unet.out(h)
+
+
+def comfy_unet_blocks(unet, transformer_options: dict | None = None) -> ComfyUNetBlocks | None:
+    """``unet`` seen as the step cache's blocks, or None where it is not ComfyUI's UNetModel layout
+    (as many down as up blocks, a time embedding, an output head)."""
+    layout = ("input_blocks", "middle_block", "output_blocks", "time_embed", "out", "model_channels")
+    if not all(hasattr(unet, name) for name in layout) or len(unet.input_blocks) != len(unet.output_blocks):
+        return None
+    return ComfyUNetBlocks(unet, {} if transformer_options is None else transformer_options)
 
 
 def _bind(call: DiffusionCall, args: tuple, kwargs: dict) -> tuple[tuple, object, object, dict] | None:
@@ -534,18 +608,25 @@ def _why_eager(executor, control, transformer_options, kwargs: dict) -> str | No
 
 
 class FastPath:
-    """The DIFFUSION_MODEL wrapper of SDOptCompile and SDOptCUDAGraph: one per patched clone.
+    """The DIFFUSION_MODEL wrapper of SDOptCompile, SDOptCUDAGraph and SDOptStepCache: one per patched clone.
 
     The diffusion model is called with its tensor inputs only (those ``family``'s call names:
     SDXL's ``y`` too), through ``compile_config`` (when set) inside a ``GraphedFunction`` (when
-    ``graph_config`` is set), so the order of the two nodes does not matter. Its state (compiled
-    code, graphs) is shared by clones made downstream (e.g. by a LoRA loader); the weight identity
-    check makes those use their own weights.
+    ``graph_config`` is set), so the order of the nodes does not matter. With ``step_cache_config``
+    each call runs either the whole UNet (keeping its deep features) or its shallow branch on kept
+    features, as the step cache's schedule says; each of the two is compiled and captured on its own.
+    Its state (compiled code, graphs) is shared by clones made downstream (e.g. by a LoRA loader); the
+    weight identity check makes those use their own weights, and the step cache starts afresh with
+    every sampling run.
     """
 
-    def __init__(self, compile_config, graph_config, family: ModelFamily, cache_root=None):
+    def __init__(self, compile_config, graph_config, family: ModelFamily, cache_root=None, step_cache_config=None):
+        from ..optim.step_cache import CacheSchedule
+
         self.compile_config = compile_config
         self.graph_config = graph_config
+        self.step_cache_config = step_cache_config
+        self.schedule = CacheSchedule(step_cache_config) if step_cache_config else None
         self.family = family
         self.cache_root = cache_root
         self.runners: dict[tuple, tuple] = {}
@@ -555,26 +636,33 @@ class FastPath:
         self.requested: dict[str, str] = {}
         self.notes: dict[str, Callable[[], str]] = {}  # per node: what else its record says after a run
 
-    def with_configs(self, compile_config=..., graph_config=...) -> "FastPath":
-        """A new fast path (fresh compiled code and graphs) with one config replaced."""
+    def with_configs(self, compile_config=..., graph_config=..., step_cache_config=...) -> "FastPath":
+        """A new fast path (fresh compiled code, graphs and step cache) with one config replaced."""
         new = FastPath(
             self.compile_config if compile_config is ... else compile_config,
             self.graph_config if graph_config is ... else graph_config,
             self.family,
             self.cache_root,
+            self.step_cache_config if step_cache_config is ... else step_cache_config,
         )
         new.requested = dict(self.requested)
         new.notes = dict(self.notes)
         return new
 
-    def _runner(self, unet, options: dict):
+    def _runner(self, unet, options: dict, kind: str = PLAIN_STEP):
+        """(fn, compiled, graphed, cache) of one kind of call: the plain forward, or the step cache's
+        full or shallow one; each kind compiles and captures its own code."""
         from ..optim.compile import ArtifactCache, compile_forward, nchw_conv_weight_bytes
         from ..optim.cuda_graph import GraphedFunction, module_weights
 
-        key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS))
+        key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS), kind)
         if key in self.runners and self.runners[key][0] is unet:
             return self.runners[key][1:]
-        call = functools.partial(_diffusion_forward, options)
+        if kind == PLAIN_STEP:
+            call = functools.partial(_diffusion_forward, options)
+        else:
+            forward = _cached_full_forward if kind == FULL_STEP else _cached_shallow_forward
+            call = functools.partial(forward, options, self.step_cache_config.branch)
         compiled = cache = None
         fn = functools.partial(call, unet)
         if self.compile_config is not None:
@@ -603,7 +691,19 @@ class FastPath:
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
             return executor(*args, **kwargs)
         options = {name: transformer_options[name] for name in _KEPT_OPTIONS if name in transformer_options}
-        fn, compiled, graphed, cache = self._runner(executor.class_obj, options)
+        if self.schedule is None:
+            return self._run(executor.class_obj, options, PLAIN_STEP, tensors)
+        key = tuple(transformer_options.get("cond_or_uncond") or ())
+        shapes = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
+        deep = self.schedule.decide(key, shapes, _schedule_position(transformer_options) if self.schedule.config.bounded else None)
+        if deep is not None:
+            return self._run(executor.class_obj, options, SHALLOW_STEP, (*tensors, deep))
+        output, deep = self._run(executor.class_obj, options, FULL_STEP, tensors)
+        self.schedule.keep(key, shapes, deep)
+        return output
+
+    def _run(self, unet, options: dict, kind: str, tensors: tuple):
+        fn, compiled, graphed, cache = self._runner(unet, options, kind)
         before = _warmup_counters(compiled, graphed)
         with _malloc_graph_paused():
             output = fn(*tensors)
@@ -679,6 +779,8 @@ def install_fast_path(model, fast_path: FastPath) -> None:
     requested = fast_path.requested
 
     def report_after_sampling(executor, *args, **kwargs):
+        if fast_path.schedule is not None:
+            fast_path.schedule.reset()
         try:
             return executor(*args, **kwargs)
         finally:
@@ -697,6 +799,12 @@ def install_fast_path(model, fast_path: FastPath) -> None:
                 active = f"{fast_path.compile_config.settings()}: " + " | ".join(s.summary() for s in compile_stats)
                 short = "; ".join(dict.fromkeys(filter(None, [*(s.shortfall() for s in compile_stats), eager_short])))
                 record_in_run("SDOptCompile", requested["SDOptCompile"], active, note, short)
+            if "SDOptStepCache" in requested and fast_path.schedule is not None:
+                cache_stats = fast_path.schedule.stats
+                note = "; ".join(filter(None, [fast_path.notes.get("SDOptStepCache", str)(), eager]))
+                short = "; ".join(filter(None, [cache_stats.shortfall(), eager_short]))
+                record_in_run("SDOptStepCache", requested["SDOptStepCache"], f"{fast_path.step_cache_config.settings()}: {cache_stats.summary()}",
+                              note, short)
             if "SDOptCUDAGraph" in requested and fast_path.graph_config:
                 active = "CUDA graph: " + " | ".join(s.summary() for s in graph_stats)
                 record_in_run("SDOptCUDAGraph", requested["SDOptCUDAGraph"], active, eager, eager_short)
@@ -706,8 +814,8 @@ def install_fast_path(model, fast_path: FastPath) -> None:
 
 
 def fast_path_clone(model, node: str, requested: str, unavailable: str | None, on_unavailable: str, input_name: str, fix: str, **configs):
-    """(clone, note) for SDOptCompile/SDOptCUDAGraph: the clone's fast path gets ``configs``
-    (``compile_config=`` or ``graph_config=``). Where ``unavailable`` names a reason: with
+    """(clone, note) for SDOptCompile, SDOptCUDAGraph and SDOptStepCache: the clone's fast path gets
+    ``configs`` (``compile_config=``, ``graph_config=`` or ``step_cache_config=``). Where ``unavailable`` names a reason: with
     ``on_unavailable="error"`` a UserError naming ``input_name`` and ``fix``, else the clone as it
     is, recorded as eager, and a None note."""
     if unavailable and on_unavailable == "error":
@@ -717,7 +825,8 @@ def fast_path_clone(model, node: str, requested: str, unavailable: str | None, o
         record_model(m, node, requested, "eager", f"{unavailable}; running eager", f"runs eager: {unavailable}")
         return m, None
     current = fast_path_of(m)
-    fast_path = current.with_configs(**configs) if current else FastPath(configs.get("compile_config"), configs.get("graph_config"), model_family(m))
+    fast_path = current.with_configs(**configs) if current else FastPath(
+        configs.get("compile_config"), configs.get("graph_config"), model_family(m), step_cache_config=configs.get("step_cache_config"))
     fast_path.requested[node] = requested
     install_fast_path(m, fast_path)
     return m, "; ".join(filter(None, [path_note, fast_path.family.unknown_note]))

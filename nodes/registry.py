@@ -8,6 +8,7 @@ from .offload import SDOptOffload
 from .precision import SDOptPrecision
 from .profiler import SDOptProfiler
 from .report import SDOptProfileReport
+from .step_cache import SDOptStepCache
 from .tiled_vae import SDOptTiledVAE
 from .vae_attention import SDOptVAEAttention
 from .vae_precision import SDOptVAEPrecision
@@ -22,6 +23,7 @@ _NODES = {
     "SDOptTiledVAE": (SDOptTiledVAE, "sdopt Tiled VAE"),
     "SDOptCompile": (SDOptCompile, "sdopt Compile"),
     "SDOptCUDAGraph": (SDOptCUDAGraph, "sdopt CUDA Graph"),
+    "SDOptStepCache": (SDOptStepCache, "sdopt Step Cache"),
     "SDOptLowMemory": (SDOptLowMemory, "sdopt Low Memory"),
     "SDOptOffload": (SDOptOffload, "sdopt Offload"),
     "SDOptDoctor": (SDOptDoctor, "sdopt Doctor"),

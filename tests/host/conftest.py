@@ -109,7 +109,7 @@ class ComfyHostFixture:
         encode = nodes.CLIPTextEncode().encode
         return encode(clip, PROMPT)[0], encode(clip, "")[0]
 
-    def sample(self, model) -> torch.Tensor:
+    def sample(self, model, steps: int = STEPS, sampler: str = "euler") -> torch.Tensor:
         """The latent of ComfyUI's own KSampler path for ``model``, with fixed settings (SDXL's size
         conditioning comes from ComfyUI's defaults for a bare text encode)."""
         import nodes
@@ -117,7 +117,7 @@ class ComfyHostFixture:
         side = SIZE // 8
         latent = {"samples": torch.zeros(1, self.model_family.latent.channels, side, side)}
         positive, negative = self._conds
-        return nodes.common_ksampler(model, SEED, STEPS, CFG, "euler", "normal", positive, negative, latent)[0]["samples"]
+        return nodes.common_ksampler(model, SEED, steps, CFG, sampler, "normal", positive, negative, latent)[0]["samples"]
 
     def lora(self, convs: bool = False) -> str:
         """The name, in ComfyUI's loras folder, of a rank-4 LoRA of this family's mini UNet in ComfyUI's

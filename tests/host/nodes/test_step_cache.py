@@ -1,0 +1,98 @@
+"""SDOptStepCache in real ComfyUI, on the mini SD1.5 and SDXL checkpoints (CPU, fp32, 64x64, 6 steps).
+
+With interval 1 every call runs the step cache's own split of the UNet (``full_forward`` over
+ComfyUI's blocks), which must give stock's latent exactly: the split calls ComfyUI's blocks in its
+order. With DeepCache's defaults (interval 3) a third of the calls run the whole UNet; the image
+differs from stock's (random weights: the size of that difference bounds nothing about trained
+models), and the model the node was given is unchanged. Under Compile each kind of call (full,
+shallow) compiles once, and a LoRA downstream is used at every strength.
+"""
+import pytest
+import torch
+
+STEPS = 6
+REL_TOL = 1e-4
+
+
+def cached(host, model, interval=3, branch=0, start=0.0, end=1.0, on_unavailable="fallback"):
+    (patched,) = host.nodes["SDOptStepCache"]().patch(model, "deepcache", interval, branch, start, end, on_unavailable)
+    return patched
+
+
+def schedule_stats(host, model):
+    return host.glue.fast_path_of(model).schedule.stats
+
+
+def close(out, reference):
+    return (out - reference).abs().max().item() <= REL_TOL * reference.abs().max().item()
+
+
+_STOCK = {}
+
+
+@pytest.fixture
+def stock(family_host):
+    """(model as loaded, its stock latent), sampled once per family."""
+    name = family_host.model_family.name
+    if name not in _STOCK:
+        model = family_host.load_checkpoint()[0]
+        _STOCK[name] = model, family_host.sample(model, STEPS)
+    return _STOCK[name]
+
+
+def test_interval_one_runs_the_split_unet_and_equals_stock(family_host, stock):
+    model, reference = stock
+    patched = cached(family_host, model, interval=1)
+    assert torch.equal(family_host.sample(patched, STEPS), reference)
+    stats = schedule_stats(family_host, patched)
+    assert stats.reused_calls == 0 and stats.full_calls == STEPS
+
+
+def test_deepcache_reuses_two_calls_in_three_and_leaves_the_model_alone(family_host, stock):
+    model, reference = stock
+    patched = cached(family_host, model)
+    out = family_host.sample(patched, STEPS)
+    stats = schedule_stats(family_host, patched)
+    assert (stats.full_calls, stats.reused_calls) == (STEPS // 3, STEPS - STEPS // 3)
+    assert torch.isfinite(out).all() and not torch.equal(out, reference), "reused features change the latent"
+    assert "2 of 6 calls ran the whole UNet" in stats.summary()
+    again = family_host.sample(patched, STEPS)
+    assert torch.equal(again, out), "a new sampling run starts from a fresh cache"
+    assert torch.equal(family_host.sample(model, STEPS), reference), "the model the node was given must be unchanged"
+
+
+def test_a_bounded_span_runs_the_whole_unet_outside_it(family_host, stock):
+    model, _ = stock
+    patched = cached(family_host, model, start=0.5)
+    family_host.sample(patched, STEPS)
+    stats = schedule_stats(family_host, patched)
+    assert stats.full_reasons["outside the cached part of the schedule"] == STEPS // 2
+    assert stats.reused_calls == 2, "the second half reuses the last full call's features until the interval is due"
+
+
+def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(family_host, stock):
+    if family_host.model_family.name != "sd15":
+        pytest.skip("held on SD1.5: the trace and the LoRA path do not depend on the family")
+    comfy_host = family_host
+    model, _ = stock
+    eager_cached = cached(comfy_host, model)
+    (compiled,) = comfy_host.nodes["SDOptCompile"]().patch(cached(comfy_host, model), "trace", "inductor", "default", False, False, "fallback")
+    assert close(comfy_host.sample(compiled, STEPS), comfy_host.sample(eager_cached, STEPS))
+    lora = comfy_host.lora()
+    for strength in (1.0, 0.5, 1.0):
+        expected = comfy_host.sample(comfy_host.with_lora(eager_cached, lora, strength), STEPS)
+        assert close(comfy_host.sample(comfy_host.with_lora(compiled, lora, strength), STEPS), expected), f"strength {strength}"
+    compile_stats, _ = comfy_host.glue.fast_path_of(compiled).stats()
+    assert sorted(s.compilations for s in compile_stats) == [1, 1], "one trace for the full call, one for the shallow call"
+
+
+def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(family_host, stock):
+    model, reference = stock
+    depth = len(model.model.diffusion_model.input_blocks)
+    if depth > 11:
+        pytest.skip(f"every branch the node offers fits this UNet's {depth} levels")
+    with pytest.raises(Exception, match=f"branch: branch 11 is past the UNet's {depth} skip levels; choose a branch below {depth}"):
+        cached(family_host, model, branch=11, on_unavailable="error")
+    passed = cached(family_host, model, branch=11)
+    assert family_host.glue.fast_path_of(passed) is None
+    assert torch.equal(family_host.sample(passed, STEPS), reference)
