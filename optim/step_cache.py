@@ -121,17 +121,17 @@ def shallow_forward(blocks: UNetBlocks, branch: int, x, timesteps, context, y=No
 
 @dataclass
 class StepCacheStats:
+    """One sampling run's calls."""
+
     full_calls: int = 0
     reused_calls: int = 0
-    runs: int = 0
     full_reasons: Counter = field(default_factory=Counter)
 
     def summary(self) -> str:
         calls = self.full_calls + self.reused_calls
         if not calls:
             return "no model calls yet"
-        text = f"{self.full_calls} of {calls} calls ran the whole UNet, {self.reused_calls} reused deep features"
-        return text + (f" over {self.runs} sampling runs" if self.runs > 1 else "")
+        return f"{self.full_calls} of {calls} calls ran the whole UNet, {self.reused_calls} reused deep features"
 
     def shortfall(self) -> str:
         """What the cache did less than asked, or ''."""
@@ -151,7 +151,7 @@ class CacheSchedule:
     the whole UNet (then ``keep(key, features)`` stores what it made). ``position`` is the fraction
     of the schedule done (needed only where the config is ``bounded``). ``reset()`` starts a new
     sampling run: nothing carries over from one run to the next, so changed weights (a LoRA's new
-    strength) are always seen.
+    strength) are always seen; ``stats`` are the current run's.
     """
 
     def __init__(self, config: StepCacheConfig):
@@ -163,7 +163,7 @@ class CacheSchedule:
     def reset(self) -> None:
         self._kept.clear()
         self._since_full.clear()
-        self.stats.runs += 1
+        self.stats = StepCacheStats()
 
     def _full(self, reason: str):
         self.stats.full_calls += 1

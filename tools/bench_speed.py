@@ -44,6 +44,7 @@ from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table
 from ..measure.step_profile import profile_device
 from .bench_unet import checkpoint_path
+from .bench_vae import psnr
 from .progress import progress_bar
 
 PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
@@ -53,9 +54,13 @@ COMPILE_ALONE = "compile-alone"
 RUNGS = ("stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", COMPILE_ALONE, "TorchCompileModel")
 CHANNELS_LAST = "compile+graph+channels_last"
 DIFFUSERS, DIFFUSERS_COMPILE = "diffusers", "diffusers+compile"
+# Step caches change the image by design: their rows give the difference from the uncached twin
+# (and its PSNR) without holding it to IMAGE_TOLERANCE.
+CACHE, COMPILED_CACHE, EASYCACHE, COMPILED_EASYCACHE = "cache", "compile+graph+cache", "EasyCache", "compile+graph+EasyCache"
+CACHE_RUNGS = (CACHE, COMPILED_CACHE, EASYCACHE, COMPILED_EASYCACHE)
 # Asked for by --rungs only: the channels-last rung compiles anew; the diffusers rungs run diffusers' own
 # UNet and pipeline on the same checkpoint's weights (tools/diffusers_pipeline.py), the competitor recipe.
-OFFERED_RUNGS = RUNGS + (CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE)
+OFFERED_RUNGS = RUNGS + (CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE) + CACHE_RUNGS
 SAMPLING_SPAN = "sdopt.bench: sampler"
 CHANNELS_LAST_EAGER = "attention+channels_last"
 
@@ -91,6 +96,7 @@ class Rung:
     eager: str = ""  # the eager twin whose image this rung's must match; "" for a rung that is eager itself
     eager_model: object = None
     sample: object = None  # a DiffusersSampler that samples instead of ComfyUI's KSampler; model is then the ComfyUI model whose latent format it shares
+    approximate: bool = False  # a step cache: its image is compared with the eager twin's, not held to the tolerance
 
 
 @dataclass
@@ -118,6 +124,7 @@ class SpeedRow:
     max_pixel_diff_vs_eager: float | None = None
     mean_pixel_diff_vs_eager: float | None = None
     within_tolerance: bool | None = None  # of IMAGE_TOLERANCE, against the eager twin
+    psnr_vs_eager_db: float | None = None  # the approximate rungs' (step caches) PSNR against their uncached twin
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,8 +148,16 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
     def graph(model):
         return node["SDOptCUDAGraph"]().patch(model, 4, "fallback")[0]
 
-    def over_attention(model, nodes):
-        return Rung(model, f"{stack} → {nodes}", "attention", attention)
+    def over_attention(model, nodes, approximate=False):
+        return Rung(model, f"{stack} → {nodes}", "attention", attention, approximate=approximate)
+
+    def step_cache(model):
+        return node["SDOptStepCache"]().patch(model, "deepcache", 3, 0, 0.0, 1.0, "fallback")[0]
+
+    def easycache(model):
+        if "EasyCache" not in node:
+            raise UserError("--rungs EasyCache: this ComfyUI has no EasyCache node (it came with ComfyUI 0.3.50); leave the rung out")
+        return node["EasyCache"].execute(model, 0.2, 0.15, 0.95, False).result[0]
 
     def channels_last():
         eager = attention_over_precision(True)[1]
@@ -160,6 +175,12 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
         CHANNELS_LAST: channels_last,
         COMPILE_ALONE: lambda: Rung(compile_(base, "compile"), "Compile(compile)", STOCK, base),
         "TorchCompileModel": lambda: Rung(_comfy_torch_compile(base), "ComfyUI TorchCompileModel(inductor)", STOCK, base),
+        CACHE: lambda: over_attention(step_cache(attention), "StepCache(deepcache, interval 3)", approximate=True),
+        COMPILED_CACHE: lambda: over_attention(graph(compile_(step_cache(attention), "compile")),
+                                               "StepCache(deepcache, interval 3) → Compile(compile) → CUDAGraph", approximate=True),
+        EASYCACHE: lambda: Rung(easycache(base), "ComfyUI EasyCache(0.2, 15–95%)", STOCK, base, approximate=True),
+        COMPILED_EASYCACHE: lambda: over_attention(graph(compile_(easycache(attention), "compile")),
+                                                   "ComfyUI EasyCache(0.2, 15–95%) → Compile(compile) → CUDAGraph", approximate=True),
     }
     return {name: makers[name]() for name in names}
 
@@ -333,7 +354,7 @@ def bench_speed(
         steady_wall = statistics.median(wall for wall, _ in runs[name])
         last = runs[name][-1][1]
         sampler_s = statistics.median(run["sampler_total_s"] for _, run in runs[name])
-        eager = built[name].eager
+        eager, approximate = built[name].eager, built[name].approximate
         vs_eager = pixel_difference(images[name], images[eager]) if eager else (None, None)
         rows.append(SpeedRow(
             rung=name, nodes=built[name].nodes, steady_it_per_s=statistics.median(rates),
@@ -345,7 +366,8 @@ def bench_speed(
             notes=optimization_notes(last["optimizations"]), rounds_it_per_s=rates, vram_cap_bytes=host.vram_cap_bytes,
             step_profile=profiles[name].to_dict() if name in profiles else None,
             eager_twin=eager, max_pixel_diff_vs_eager=vs_eager[0], mean_pixel_diff_vs_eager=vs_eager[1],
-            within_tolerance=IMAGE_TOLERANCE.admits(*vs_eager) if eager else None,
+            within_tolerance=IMAGE_TOLERANCE.admits(*vs_eager) if eager and not approximate else None,
+            psnr_vs_eager_db=psnr(images[name] * 2 - 1, images[eager] * 2 - 1) if approximate else None,
         ))
     return rows
 
@@ -368,6 +390,9 @@ def speed_table(rows: list[SpeedRow]) -> str:
 def _vs_eager(row: SpeedRow) -> str:
     if not row.eager_twin:
         return "— (eager)"
+    if row.psnr_vs_eager_db is not None:
+        return (f"{row.max_pixel_diff_vs_eager:.1f} / {row.mean_pixel_diff_vs_eager:.2f}, PSNR {row.psnr_vs_eager_db:.1f} dB "
+                f"(cached: not held to the tolerance; {row.eager_twin})")
     verdict = "ok" if row.within_tolerance else "OUT OF TOLERANCE"
     return f"{row.max_pixel_diff_vs_eager:.1f} / {row.mean_pixel_diff_vs_eager:.2f} {verdict} ({row.eager_twin})"
 

@@ -12,11 +12,11 @@ from sdopt.tools.cli import main
 @pytest.fixture(scope="module")
 def rows(comfy_host):
     return bench_speed(comfy_host.host.path, str(comfy_host.checkpoint), size=64, steps=3, rounds=2,
-                       rungs=["trace", "graph"], progress=False, profile=True)
+                       rungs=["trace", "graph", "cache", "EasyCache"], progress=False, profile=True)
 
 
 def test_stock_first_then_the_rungs_each_measured_every_round(rows):
-    assert [r.rung for r in rows] == ["stock", "trace", "graph"]
+    assert [r.rung for r in rows] == ["stock", "trace", "graph", "cache", "EasyCache"]
     stock = rows[0]
     assert stock.speedup_median == stock.speedup_min == stock.speedup_max == 1.0 and stock.max_pixel_diff == 0
     for row in rows:
@@ -31,7 +31,7 @@ def test_rungs_say_what_ran(rows):
 
 
 def test_traced_and_graphed_images_keep_to_their_eager_twin(rows):
-    stock, trace, graph = rows
+    stock, trace, graph, *_ = rows
     assert stock.eager_twin == "" and stock.within_tolerance is None and stock.max_pixel_diff_vs_eager is None
     assert trace.eager_twin == graph.eager_twin == "attention"
     assert trace.within_tolerance and graph.within_tolerance
@@ -40,13 +40,23 @@ def test_traced_and_graphed_images_keep_to_their_eager_twin(rows):
     assert "— (eager)" in table and table.count(" ok (attention)") == 2 and "tolerance: at most 16 levels" in table
 
 
+def test_step_caches_give_their_difference_from_the_uncached_twin_unjudged(rows):
+    cache, easycache = rows[3:]
+    assert (cache.eager_twin, easycache.eager_twin) == ("attention", "stock")
+    for row in (cache, easycache):
+        assert row.within_tolerance is None and row.psnr_vs_eager_db is not None and row.psnr_vs_eager_db > 0
+    assert "1 of 3 calls ran the whole UNet, 2 reused deep features" in cache.notes
+    assert cache.max_pixel_diff_vs_eager > 0, "reused deep features change the image of a 3-step run"
+    assert "dB (cached: not held to the tolerance; attention)" in speed_table(rows)
+
+
 def test_each_rung_has_a_step_profile_beside_its_steady_step(rows):
     for row in rows:
         step = row.step_profile
         assert step["wall_ms"] == pytest.approx(1000 / row.steady_it_per_s)
         assert 0 < step["busy_ms"] and 0 < step["busy_share"] <= 1 and step["bound_by"] in ("ops", "Python")
         assert step["activities_per_step"] > 100 and any(name.startswith("aten::") for name, _ in step["top"])
-    for row in rows[::2]:  # stock and graph; the trace's shape arithmetic reads CPU scalars
+    for row in rows[:3:2]:  # stock and graph; the trace's shape arithmetic reads CPU scalars
         assert row.step_profile["host_syncs"] < 3, "ComfyUI's step loop reads no tensor value: only its set-up does"
     table = step_profile_table(rows)
     assert table.count("\n") == len(rows) + 1 and "aten ops per step" in table
