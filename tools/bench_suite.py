@@ -57,7 +57,9 @@ LOG_LINES = 300
 SPEED_LADDER = ["stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", "compile+graph+channels_last", "TorchCompileModel"]
 COMPETITORS = ["stock", "compile+graph+channels_last", "TorchCompileModel", "diffusers", "diffusers+compile"]
 SDXL_LADDER = ["stock", "attention", "compile+graph+channels_last", "TorchCompileModel"]
-COMPILING = ("compile", "compile+graph", "compile+graph+channels_last", "TorchCompileModel", "diffusers+compile")
+CACHES = ["stock", "compile+graph", "cache", "compile+graph+cache", "EasyCache", "compile+graph+EasyCache"]
+COMPILING = ("compile", "compile+graph", "compile+graph+channels_last", "TorchCompileModel", "diffusers+compile", "compile+graph+cache",
+             "compile+graph+EasyCache")
 CPU_COMPILE_SKIP = "left out of the dry run: each compile of the UNet takes a minute or more on a CPU"
 DRY_PRECISION_SKIP = "left out of the dry run: the attention rung runs the same Precision node beneath it"
 
@@ -101,9 +103,9 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
         skipped = {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING}
         return {**skipped, "precision": DRY_PRECISION_SKIP} if "precision" in rungs else skipped
     phases = [
-        Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 240),
+        Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 150),
         Phase(2, "doctor", "sdopt doctor", "run_doctor", 45, {"comfyui": comfyui}),
-        Phase(3, "speed", f"bench speed: the SD1.5 ladder ({model})", "run_speed", 390,
+        Phase(3, "speed", f"bench speed: the SD1.5 ladder ({model})", "run_speed", 300,
               {**common, "model": model, **speed, "rungs": SPEED_LADDER, "skip_rungs": skip_rungs(SPEED_LADDER)}),
         Phase(4, "competitors", f"bench speed: sdopt against TorchCompileModel and diffusers ({model})", "run_speed", 390,
               {**common, "model": model, **speed, "rungs": COMPETITORS, "skip_rungs": skip_rungs(COMPETITORS)}),
@@ -120,10 +122,12 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
         options = {**common, "model": model, "sizes": [64] if dry_run else sizes, "steps": 2 if dry_run else 4,
                    "vram_cap_gib": cap, "offload_mb": offload_mb}
         phases.append(Phase(number, f"res-{cap}gib", f"bench resolutions with VRAM capped at {cap} GiB", "run_resolutions", budget, options))
-    phases.append(Phase(11, "offload", "sdopt Offload: residency, speed and output per mode", "run_offload", 150,
+    phases.append(Phase(11, "offload", "sdopt Offload: residency, speed and output per mode", "run_offload", 90,
                         {**common, "model": model, "size": 64 if dry_run else 512, "steps": 2 if dry_run else 20, "warm_up": not dry_run,
                          # on a CPU every mode is the same no-op: two show the table's making
                          "modes": [OFFLOAD_MODES[0], OFFLOAD_MODES[3]] if dry_run else list(OFFLOAD_MODES)}))
+    phases.append(Phase(12, "cache", f"bench speed: step caches, sdopt's and ComfyUI's EasyCache, plain and compiled ({model})", "run_speed", 240,
+                        {**common, "model": model, **speed, "rungs": CACHES, "skip_rungs": skip_rungs(CACHES)}))
     if dry_run:
         phases[4] = replace(phases[4], skip="left out of the dry run: generating and loading an SDXL checkpoint takes minutes on a CPU")
     elif not _sdxl_known(sdxl_model):

@@ -96,3 +96,26 @@ def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(family_host
     passed = cached(family_host, model, branch=11)
     assert family_host.glue.fast_path_of(passed) is None
     assert torch.equal(family_host.sample(passed, STEPS), reference)
+
+
+def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_not(family_host, stock):
+    if family_host.model_family.name != "sd15":
+        pytest.skip("held on SD1.5: the wrapper order does not depend on the family")
+    if "EasyCache" not in family_host.nodes:
+        pytest.skip("this ComfyUI has no EasyCache")
+    model, _ = stock
+    host, compile_node = family_host, family_host.nodes["SDOptCompile"]()
+
+    def easycache(m):
+        return host.nodes["EasyCache"].execute(m, 0.2, 0.15, 0.95, False).result[0]
+
+    def traced(m):
+        return compile_node.patch(m, "trace", "inductor", "default", False, False, "fallback")[0]
+
+    before = traced(easycache(model))
+    assert close(host.sample(before, STEPS), host.sample(easycache(model), STEPS))
+    fast = host.glue.fast_path_of(before)
+    assert not fast.eager_reasons and [s.compilations for s in fast.stats()[0]] == [1]
+    after = easycache(traced(model))
+    host.sample(after, STEPS)
+    assert set(host.glue.fast_path_of(after).eager_reasons) == {"another DIFFUSION_MODEL wrapper runs inside this one"}

@@ -25,15 +25,16 @@ def by_name(phases):
 
 def test_the_plan_has_every_phase_the_gpu_must_show(sdxl_known):
     phases = plan_phases()
-    assert [p.number for p in phases] == list(range(1, 12))
+    assert [p.number for p in phases] == list(range(1, 13))
     named = by_name(phases)
     assert list(named) == ["gpu-tests", "doctor", "speed", "competitors", "speed-sdxl", "attention", "vae", "res-8gib", "res-4gib",
-                           "res-2gib", "offload"]
+                           "res-2gib", "offload", "cache"]
     speed = named["speed"].options
     assert (speed["model"], speed["size"], speed["steps"]) == ("full", 512, 20)
     assert "compile+graph+channels_last" in speed["rungs"] and "stock" in speed["rungs"] and not speed["skip_rungs"]
     assert {"stock", "TorchCompileModel", "diffusers", "diffusers+compile"} <= set(named["competitors"].options["rungs"])
     assert named["speed-sdxl"].options["model"] == "sdxl-full" and not named["speed-sdxl"].skip
+    assert {"compile+graph", "compile+graph+cache", "compile+graph+EasyCache"} <= set(named["cache"].options["rungs"])
     assert [named[f"res-{cap}gib"].options["vram_cap_gib"] for cap in (8, 4, 2)] == [8, 4, 2]
     assert 4096 in named["res-8gib"].options["sizes"] and 2048 in named["res-2gib"].options["sizes"]
     assert named["attention"].options["dtype"] == "fp16" and named["vae"].options["sizes"][-1] == 4096
@@ -91,8 +92,8 @@ def test_select_phases_by_number():
     phases = plan_phases()
     assert [p.name for p in select(phases, [2, 7])] == ["doctor", "vae"]
     assert select(phases, None) == phases
-    with pytest.raises(UserError, match="--phase 12: choose from 1 \\(gpu-tests\\)"):
-        select(phases, [12])
+    with pytest.raises(UserError, match="--phase 13: choose from 1 \\(gpu-tests\\)"):
+        select(phases, [13])
 
 
 def test_a_failing_or_late_phase_keeps_the_phases_before_it(tmp_path):

@@ -1,0 +1,63 @@
+"""SDOptStepCache under CUDA Graph (and Compile) on a real GPU, inside ComfyUI: the full and the
+shallow call are each captured once and replayed, and the latent equals the eager cached one's
+(the same kernels on the same inputs: 1e-3 for cuDNN's algorithm choice; compiled: inductor's fused
+fp16 kernels, 2e-2 of the largest magnitude). Full SD1.5 checkpoint, fp16, 512², 12 euler steps.
+"""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+STEPS, SIZE = 12, 512
+LATENT_ATOL = 1e-3
+COMPILED_REL_TOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    comfyui = os.environ.get("COMFYUI_PATH")
+    if not comfyui:
+        pytest.skip("SDOptStepCache runs inside ComfyUI: set COMFYUI_PATH")
+    from sdopt.tools.bench_unet import checkpoint_path
+    from sdopt.tools.headless import boot
+
+    host = boot(comfyui)
+    import comfy.sd
+    import nodes
+
+    path = checkpoint_path("full", Path(host.path) / "models")
+    model, clip, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=True)
+    encode = nodes.CLIPTextEncode().encode
+    return host, model, encode(clip, "a lighthouse on a cliff")[0], encode(clip, "")[0]
+
+
+def _sample(comfy, model):
+    import nodes
+
+    _, _, positive, negative = comfy
+    latent = {"samples": torch.zeros(1, 4, SIZE // 8, SIZE // 8)}
+    return nodes.common_ksampler(model, 42, STEPS, 7.0, "euler", "normal", positive, negative, latent)[0]["samples"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["graph", "compile+graph"])
+def test_full_and_shallow_graphs_replay_and_equal_eager(comfy, compiled):
+    host, model = comfy[:2]
+    node = host.node_classes
+    (cached,) = node["SDOptStepCache"]().patch(model, "deepcache", 3, 0, 0.0, 1.0, "error")
+    eager = _sample(comfy, cached)
+    fast = cached
+    if compiled:
+        (fast,) = node["SDOptCompile"]().patch(fast, "compile", "inductor", "default", False, False, "error")
+    (fast,) = node["SDOptCUDAGraph"]().patch(fast, 4, "error")
+    for _ in range(2):
+        out = _sample(comfy, fast)
+        if compiled:
+            assert (out - eager).abs().max().item() <= COMPILED_REL_TOL * eager.abs().max().item()
+        else:
+            torch.testing.assert_close(out, eager, atol=LATENT_ATOL, rtol=0)
+    path = host.pack("nodes.glue").fast_path_of(fast)
+    _, graph_stats = path.stats()
+    assert sorted(s.captures for s in graph_stats) == [1, 1], "one graph for the full call, one for the shallow call"
+    assert all(s.replays > 0 and not s.eager_calls for s in graph_stats)
+    assert path.schedule.stats.reused_calls == STEPS - STEPS // 3
