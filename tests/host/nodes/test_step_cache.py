@@ -30,14 +30,24 @@ def close(out, reference):
 _STOCK = {}
 
 
+def _stock(host):
+    """(model as loaded, its stock latent), sampled once per family."""
+    name = host.model_family.name
+    if name not in _STOCK:
+        model = host.load_checkpoint()[0]
+        _STOCK[name] = model, host.sample(model, STEPS)
+    return _STOCK[name]
+
+
 @pytest.fixture
 def stock(family_host):
-    """(model as loaded, its stock latent), sampled once per family."""
-    name = family_host.model_family.name
-    if name not in _STOCK:
-        model = family_host.load_checkpoint()[0]
-        _STOCK[name] = model, family_host.sample(model, STEPS)
-    return _STOCK[name]
+    return _stock(family_host)
+
+
+@pytest.fixture
+def sd15_stock(comfy_host):
+    """The SD1.5 mini's: what does not depend on the family is held there only."""
+    return _stock(comfy_host)
 
 
 def test_interval_one_runs_the_split_unet_and_equals_stock(family_host, stock):
@@ -70,11 +80,8 @@ def test_a_bounded_span_runs_the_whole_unet_outside_it(family_host, stock):
     assert stats.reused_calls == 2, "the second half reuses the last full call's features until the interval is due"
 
 
-def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(family_host, stock):
-    if family_host.model_family.name != "sd15":
-        pytest.skip("held on SD1.5: the trace and the LoRA path do not depend on the family")
-    comfy_host = family_host
-    model, _ = stock
+def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(comfy_host, sd15_stock):
+    model, _ = sd15_stock
     eager_cached = cached(comfy_host, model)
     (compiled,) = comfy_host.nodes["SDOptCompile"]().patch(cached(comfy_host, model), "trace", "inductor", "default", False, False, "fallback")
     assert close(comfy_host.sample(compiled, STEPS), comfy_host.sample(eager_cached, STEPS))
@@ -98,13 +105,11 @@ def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(family_host
     assert torch.equal(family_host.sample(passed, STEPS), reference)
 
 
-def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_not(family_host, stock):
-    if family_host.model_family.name != "sd15":
-        pytest.skip("held on SD1.5: the wrapper order does not depend on the family")
-    if "EasyCache" not in family_host.nodes:
-        pytest.skip("this ComfyUI has no EasyCache")
-    model, _ = stock
-    host, compile_node = family_host, family_host.nodes["SDOptCompile"]()
+def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_not(comfy_host, sd15_stock):
+    if "EasyCache" not in comfy_host.nodes:
+        pytest.skip("this ComfyUI has no EasyCache (it came with ComfyUI 0.3.50)")
+    model, _ = sd15_stock
+    host, compile_node = comfy_host, comfy_host.nodes["SDOptCompile"]()
 
     def easycache(m):
         return host.nodes["EasyCache"].execute(m, 0.2, 0.15, 0.95, False).result[0]
