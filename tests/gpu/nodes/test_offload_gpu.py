@@ -5,8 +5,6 @@ Streamed layers run the same kernels on weights copied per layer, so the latents
 run-to-run noise of cuDNN's algorithm choice (1e-3). Printed figures (``pytest -s``) go into
 docs/benchmarks.md with the device name.
 """
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,24 +12,6 @@ import torch
 MIB = 2**20
 BUDGET_MB = 512
 LATENT_ATOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def comfy():
-    comfyui = os.environ.get("COMFYUI_PATH")
-    if not comfyui:
-        pytest.skip("SDOptOffload runs inside ComfyUI: set COMFYUI_PATH")
-    from sdopt.tools.bench_unet import checkpoint_path
-    from sdopt.tools.headless import boot
-
-    host = boot(comfyui)
-    import comfy.sd
-    import nodes
-
-    path = checkpoint_path("full", Path(host.path) / "models")
-    model, clip, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=True)
-    encode = nodes.CLIPTextEncode().encode
-    return host, model, encode(clip, "a lighthouse on a cliff")[0], encode(clip, "")[0]
 
 
 def test_each_mode_keeps_its_residency_and_lowers_the_peak(comfy):

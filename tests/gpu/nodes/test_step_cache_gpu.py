@@ -3,8 +3,6 @@ shallow call are each captured once and replayed, and the latent equals the eage
 (the same kernels on the same inputs: 1e-3 for cuDNN's algorithm choice; compiled: inductor's fused
 fp16 kernels, 2e-2 of the largest magnitude). Full SD1.5 checkpoint, fp16, 512², 12 euler steps.
 """
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,24 +10,6 @@ import torch
 STEPS, SIZE = 12, 512
 LATENT_ATOL = 1e-3
 COMPILED_REL_TOL = 2e-2
-
-
-@pytest.fixture(scope="module")
-def comfy():
-    comfyui = os.environ.get("COMFYUI_PATH")
-    if not comfyui:
-        pytest.skip("SDOptStepCache runs inside ComfyUI: set COMFYUI_PATH")
-    from sdopt.tools.bench_unet import checkpoint_path
-    from sdopt.tools.headless import boot
-
-    host = boot(comfyui)
-    import comfy.sd
-    import nodes
-
-    path = checkpoint_path("full", Path(host.path) / "models")
-    model, clip, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=True)
-    encode = nodes.CLIPTextEncode().encode
-    return host, model, encode(clip, "a lighthouse on a cliff")[0], encode(clip, "")[0]
 
 
 def _sample(comfy, model):
