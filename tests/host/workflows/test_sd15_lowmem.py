@@ -1,8 +1,9 @@
-"""workflows/sd15_lowmem.json headless on the mini checkpoint: it completes at 512 and, with ``--set``,
-at 1024 (one step each, to stay fast on a CPU); at the baseline's 64x64 its image matches the
-baseline's (the low-memory UNet is exact to float rounding, the tiled VAE decodes untiled when the
-image fits); the report says what each node did on this CPU; and the model and VAE the workflow's
-nodes are given sample and decode as before once the patched copies have run."""
+"""workflows/sd15_lowmem.json headless on the mini checkpoint: it completes at 512 (one step, to stay
+fast on a CPU; a 1024 run, which exercises no path 512 does not, made most of this module's four
+minutes in CI); at the baseline's 64x64 its image matches the baseline's (the low-memory UNet is exact
+to float rounding, the tiled VAE decodes untiled when the image fits); the report says what each node
+did on this CPU; and the model and VAE the workflow's nodes are given sample and decode as before once
+the patched copies have run."""
 import json
 
 import numpy as np
@@ -31,11 +32,10 @@ def runs(comfy_host):
         "baseline": comfy_host.run(comfy_host.WORKFLOWS / "sd15_baseline.json", comfy_host.SMALL),
         64: comfy_host.run(workflow, comfy_host.SMALL),
         512: comfy_host.run(workflow, _size(512)),
-        1024: comfy_host.run(workflow, _size(1024)),
     }
 
 
-@pytest.mark.parametrize("side", [512, 1024])
+@pytest.mark.parametrize("side", [512])
 def test_it_completes(runs, side):
     (run,) = runs[side].report.runs
     assert run["label"] == "low memory" and len(run["steps"]) == 1
