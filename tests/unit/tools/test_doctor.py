@@ -364,14 +364,14 @@ def test_compile_cache_that_cannot_be_written(tmp_path, monkeypatch):
 
 
 NODES = ["sdopt Precision", "sdopt VAE Precision", "sdopt Attention", "sdopt VAE Attention", "sdopt Compile", "sdopt CUDA Graph",
-         "sdopt Offload", "sdopt Tiled VAE", "sdopt Low Memory", "sdopt Profiler", "sdopt Profile Report"]
+         "sdopt Offload", "sdopt Tiled VAE", "sdopt Low Memory", "sdopt Step Cache", "sdopt Profiler", "sdopt Profile Report"]
 
 
 def test_nodes_on_a_cpu_say_which_modes_run_and_why_the_others_do_not(monkeypatch):
     monkeypatch.setattr(compile_module.shutil, "which", lambda name: "/usr/bin/g++")
     rows = {r.check.removeprefix("node: "): r for r in doctor.check_nodes(ctx())}
     assert list(rows) == NODES
-    for name in ("sdopt VAE Precision", "sdopt Tiled VAE", "sdopt Low Memory", "sdopt Profiler"):
+    for name in ("sdopt VAE Precision", "sdopt Tiled VAE", "sdopt Low Memory", "sdopt Step Cache", "sdopt Profiler"):
         assert rows[name].status == OK, rows[name]
     assert "auto → float32 (faked pick)" in rows["sdopt Precision"].result
     assert rows["sdopt Precision"].status == WARN and "tf32" in rows["sdopt Precision"].result
