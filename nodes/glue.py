@@ -54,6 +54,20 @@ def comfy_attention():
     return attention
 
 
+def free_for_work(device: torch.device) -> int:
+    """Bytes a node may use on ``device`` now, as ComfyUI plans: what the device can still allocate,
+    less the VRAM ComfyUI keeps for other applications (``--reserve-vram``) on a GPU."""
+    from comfy import model_management
+
+    from ..optim.tiled_vae import free_memory
+
+    free = free_memory(device)
+    reserved = getattr(model_management, "extra_reserved_memory", None)
+    if torch.device(device).type == "cpu" or not callable(reserved):
+        return free
+    return max(free - int(reserved()), 0)
+
+
 def wrapper_types():
     import comfy.patcher_extension
 

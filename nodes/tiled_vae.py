@@ -79,8 +79,8 @@ class SDOptTiledVAE:
             "only_when_needed": ("BOOLEAN", {"default": True, "tooltip": (
                 "Tile only when the untiled decode/encode is estimated not to fit budget_mb; otherwise run it untiled.")}),
             "budget_mb": ("INT", {"default": 0, "min": 0, "max": 1 << 20, "step": 64, "tooltip": (
-                "Memory the decode/encode may use, in MiB. 0 = the device's free memory (VRAM on a GPU, RAM on a "
-                "CPU) when the call starts.")}),
+                "Memory the decode/encode may use, in MiB. 0 = the device's free memory when the call starts: VRAM on "
+                "a GPU (within PyTorch's memory fraction, less ComfyUI's --reserve-vram), RAM on a CPU.")}),
         }}
 
     # ComfyUI files a VALIDATE_INPUTS failure under every input the method takes, so it takes only
@@ -99,7 +99,7 @@ class SDOptTiledVAE:
         if getattr(vae, "first_stage_model", None) is None:
             raise UserError("vae: this VAE has no weights (the checkpoint holds no VAE); load one with a VAE loader")
         config = TiledVAEConfig(tile=tile or None, overlap=overlap, only_when_needed=only_when_needed,
-                                budget_bytes=budget_mb * 2**20 if budget_mb else None)
+                                budget_bytes=budget_mb * 2**20 if budget_mb else None, free_bytes=glue.free_for_work)
         requested = (f"tile={tile or 'auto'}, overlap={overlap}, only_when_needed={'on' if only_when_needed else 'off'}, "
                      f"budget={f'{budget_mb} MiB' if budget_mb else 'free memory'}")
         tallies = {}

@@ -146,13 +146,16 @@ def check_budget(phases: list[Phase]) -> None:
 
 
 def select(phases: list[Phase], numbers: list[int] | None) -> list[Phase]:
+    """The phases named by ``numbers``, in the order given (a short device lease runs what matters
+    first), each once; every phase when none is named."""
     if not numbers:
         return phases
     known = {phase.number for phase in phases}
     unknown = [n for n in numbers if n not in known]
     if unknown:
         raise UserError(f"--phase {unknown[0]}: choose from {', '.join(f'{p.number} ({p.name})' for p in phases)}")
-    return [phase for phase in phases if phase.number in numbers]
+    by_number = {phase.number: phase for phase in phases}
+    return [by_number[n] for n in dict.fromkeys(numbers)]
 
 
 def over_budget(phase: Phase, elapsed_s: float, limit_s: float = SUITE_LIMIT_S) -> str:

@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         "everything a GPU must show, phase by phase, each in its own process: tests/gpu, doctor, bench speed (SD1.5 ladder, "
         "competitors, SDXL), attention, VAE with an injected OOM retry, resolutions under 8/4/2 GiB, offload"))
     suite.add_argument("--out", type=Path, required=True, help="folder for each phase's JSON, markdown section and plots, and suite.md")
-    suite.add_argument("--phase", type=int, action="append", help="run only this phase (repeatable; --list shows them)")
+    suite.add_argument("--phase", type=int, action="append", help="run only this phase (repeatable, run in the order given; --list shows them)")
     suite.add_argument("--model", help="the SD1.5 model of the speed, resolution and offload phases (default full; mini with --dry-run)")
     suite.add_argument("--sdxl-model", default="sdxl-full", help="the SDXL model of the speed-sdxl phase")
     suite.add_argument("--dry-run", action="store_true", help="the same plan at tiny sizes on a CPU, leaving out what takes minutes there")

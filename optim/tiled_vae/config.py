@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -54,7 +55,9 @@ class TiledVAEConfig:
 
     ``tile``: side of a tile in image pixels (decode output, encode input); None = auto, the
     largest that fits ``budget_bytes``. ``overlap``: image pixels cross-faded between neighbouring
-    final tiles (cores are exact without it). ``budget_bytes``: None = the device's free memory.
+    final tiles (cores are exact without it). ``budget_bytes``: None = what ``free_bytes`` says the
+    device can still allocate when the call runs (default ``free_memory``; a host passes its own view,
+    e.g. ComfyUI's, less the VRAM it reserves).
     ``only_when_needed``: run the module untiled when its untiled peak is estimated to fit.
     ``store_dtype``: dtype of what is kept between passes when narrower than the compute dtype
     (None: the compute dtype); a tile's value past its range is kept in the compute dtype instead.
@@ -70,6 +73,7 @@ class TiledVAEConfig:
     store_dtype: torch.dtype | None = torch.float16
     keep_intermediates: bool | None = None
     min_tile: int = MIN_TILE
+    free_bytes: Callable[[torch.device], int] | None = None
 
     def __post_init__(self):
         problem = check_tile_inputs(self.tile, self.overlap)
@@ -134,12 +138,18 @@ class TiledResult:
 
 
 def free_memory(device: torch.device | str) -> int:
-    """Bytes that ``device`` can still allocate: free VRAM plus PyTorch's unused cache on CUDA,
+    """Bytes that ``device`` can still allocate: free VRAM plus PyTorch's unused cache on CUDA, within
+    the process's memory fraction (``torch.cuda.set_per_process_memory_fraction``) where one is set;
     MemAvailable (or psutil's available) for host memory."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        usable = free + torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            usable = min(usable, int(fraction(device) * total) - allocated)
+        return max(usable, 0)
     if _PROC_MEMINFO.exists():
         for line in _PROC_MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):

@@ -35,7 +35,7 @@ def _tiled(model: nn.Module, x: torch.Tensor, kind: str, config: TiledVAEConfig,
     graph, factor = layout.graph, layout.factor
     if kind == ENCODE and (x.shape[2] % factor or x.shape[3] % factor):
         raise UnsupportedVAE(f"an image whose sides {tuple(x.shape[2:])} are not multiples of {factor}")
-    budget = config.budget_bytes if config.budget_bytes is not None else free_memory(x.device)
+    budget = config.budget_bytes if config.budget_bytes is not None else (config.free_bytes or free_memory)(x.device)
     untiled = untiled_estimate(graph, x.shape, x.dtype)
     tried, retries = [], 0
     if config.only_when_needed and untiled <= budget:

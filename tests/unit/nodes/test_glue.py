@@ -1507,3 +1507,15 @@ def test_two_bad_inputs_get_a_message_each():
 ])
 def test_input_problems(kind, options, value, problem):
     assert glue._input_problem(kind, options, value) == problem
+
+
+def test_free_for_work_leaves_comfyuis_reserved_vram(monkeypatch):
+    install(monkeypatch, "comfy.model_management", extra_reserved_memory=lambda: 600 << 20)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 << 30, 8 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    assert glue.free_for_work(torch.device("cuda", 0)) == (4 << 30) - (600 << 20)
+    # host memory has no VRAM reserve
+    from sdopt.optim.tiled_vae import free_memory
+    assert abs(glue.free_for_work(torch.device("cpu")) - free_memory("cpu")) < 256 << 20

@@ -91,6 +91,8 @@ def test_a_phase_that_would_pass_the_suite_budget_waits_for_its_own_run():
 def test_select_phases_by_number():
     phases = plan_phases()
     assert [p.name for p in select(phases, [2, 7])] == ["doctor", "vae"]
+    # the order given, not the phase numbers': a short lease runs what matters first
+    assert [p.number for p in select(phases, [12, 8, 12])] == [12, 8]
     assert select(phases, None) == phases
     with pytest.raises(UserError, match="--phase 13: choose from 1 \\(gpu-tests\\)"):
         select(phases, [13])

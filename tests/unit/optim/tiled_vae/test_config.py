@@ -1,8 +1,9 @@
 """The tiled VAE's settings: each problem named under its own input, and what the stats say."""
 import pytest
+import torch
 
 from sdopt.errors import UserError
-from sdopt.optim.tiled_vae import TiledVAEConfig, TilingStats, check_overlap, check_tile, check_tile_inputs
+from sdopt.optim.tiled_vae import TiledVAEConfig, TilingStats, check_overlap, check_tile, check_tile_inputs, free_memory
 
 
 @pytest.mark.parametrize(("tile", "overlap", "input_name"), [
@@ -40,3 +41,27 @@ def test_stats_describe_the_call():
     assert stats.describe() == ("tiled 512 px, 2x3 = 6 tiles, 31 passes, recomputed intermediates, 1 OOM retries "
                                 "(tile 1024 → 512 px), 40 of 600 stored tile values past fp16's range kept in fp32")
     assert TilingStats(False, reason="fits").describe() == "untiled (fits)"
+
+
+def _fake_cuda(monkeypatch, free, total, reserved, allocated, fraction=None):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated)
+    if fraction is None:
+        monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
+    else:
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction, raising=False)
+
+
+def test_free_vram_counts_pytorchs_unused_cache(monkeypatch):
+    _fake_cuda(monkeypatch, free=10 << 30, total=80 << 30, reserved=3 << 30, allocated=1 << 30)
+    assert free_memory("cuda:0") == 12 << 30
+
+
+def test_free_vram_stays_within_the_process_memory_fraction(monkeypatch):
+    # a process capped at 1/10 of an 80 GiB card (as bench --vram-cap sets it) may hold 8 GiB in all,
+    # whatever the card has free
+    _fake_cuda(monkeypatch, free=70 << 30, total=80 << 30, reserved=3 << 30, allocated=2 << 30, fraction=0.1)
+    assert free_memory("cuda:0") == int(0.1 * (80 << 30)) - (2 << 30)
+    _fake_cuda(monkeypatch, free=70 << 30, total=80 << 30, reserved=9 << 30, allocated=9 << 30, fraction=0.1)
+    assert free_memory("cuda:0") == 0

@@ -136,6 +136,19 @@ def test_only_when_needed_runs_untiled_when_it_fits(vae, latent, reference):
     assert tight.stats.tiled
 
 
+def test_without_a_budget_the_hosts_free_memory_decides(vae, latent):
+    untiled = tiled_decode(vae, latent, TiledVAEConfig(only_when_needed=True, budget_bytes=2**40)).stats.untiled_estimate_bytes
+    asked = []
+
+    def host_free(device):
+        asked.append(torch.device(device))
+        return untiled - 1
+
+    result = tiled_decode(vae, latent, TiledVAEConfig(only_when_needed=True, free_bytes=host_free))
+    assert asked == [latent.device]
+    assert result.stats.tiled and result.stats.budget_bytes == untiled - 1
+
+
 def test_progress_counts_every_tile_of_every_pass(vae, latent):
     calls = []
     result = tiled_decode(vae, latent, TiledVAEConfig(tile=TILE), progress=lambda done, total: calls.append((done, total)))
