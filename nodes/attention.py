@@ -8,7 +8,7 @@ on a clone. Calls that ask for what sdopt's backends do not take (a custom ``sca
 import torch
 
 from ..errors import UserError
-from ..optim.attention import AUTO, AUTO_NOTE, ON_UNAVAILABLE, AttentionConfig, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, summarize_decisions
+from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, summarize_decisions
 from . import glue
 
 NODE = "SDOptAttention"
@@ -18,14 +18,14 @@ DELEGATED = "calls with a custom scale or grouped-query attention ran ComfyUI's 
 
 def attention_inputs(first: str, kind: str) -> dict:
     """The inputs both attention nodes share, with tooltips."""
-    backends = "\n".join([f"{AUTO}: {AUTO_NOTE}"] + [f"{name}: {get_backend(name).description}" for name in backend_names()])
+    backends = "\n".join([f"{AUTO}: {AUTO_NOTE}", f"{LOW_MEMORY}: {LOW_MEMORY_NOTE}"] + [f"{name}: {get_backend(name).description}" for name in backend_names()])
     return {"required": {
         first: (kind, {"tooltip": f"The {kind} to patch; it is never changed, the node returns a patched copy."}),
         "backend": (list(attention_choices()), {"default": AUTO, "tooltip": backends}),
         "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": (
             "fallback: use sdpa (or sub_quadratic, naive) and say so in the report; error: stop with the reason")}),
         "slice_size": ("INT", {"default": 0, "min": 0, "max": 1 << 20, "tooltip": "query tokens per slice for 'sliced'; 0 = from the memory budget"}),
-        "memory_budget_mb": ("INT", {"default": 32, "min": 1, "max": 1 << 20, "tooltip": "score memory of one slice or chunk for 'sliced' and 'sub_quadratic'"}),
+        "memory_budget_mb": ("INT", {"default": 32, "min": 1, "max": 1 << 20, "tooltip": "score memory of one slice or chunk for 'sliced' and 'sub_quadratic' (and low_memory's sub_quadratic)"}),
     }}
 
 
@@ -33,7 +33,7 @@ def shortfall(requested: str, active: str, delegated: bool = False) -> str:
     """One line where attention ran other than asked: another backend, or ComfyUI's own for some calls."""
     parts = []
     ran = [name for name in active.split(", ") if name]
-    if requested != AUTO and ran and any(name != requested for name in ran):
+    if requested not in SELECTIONS and ran and any(name != requested for name in ran):
         parts.append(f"ran {active} instead of {requested}")
     if delegated:
         parts.append("some calls ran ComfyUI's own attention (custom scale or grouped-query)")

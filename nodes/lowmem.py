@@ -3,9 +3,11 @@
 Delegates to ``optim.lowmem``: an APPLY_MODEL wrapper runs each call under ``low_memory`` (chunked
 GroupNorm, sliced convs and feed-forwards) and, with ``sequential_cfg``, cond and uncond one after
 the other (every batched input split with them: context, SDXL's ``y``, ControlNet residuals);
-attention goes through sdopt Attention's ``sub_quadratic`` backend sized from the same budget. The
+attention goes through sdopt Attention's ``low_memory`` choice: PyTorch's fused sdpa kernels (memory
+linear in the tokens) where one takes the inputs, else ``sub_quadratic`` sized from the same budget. The
 feed-forward modules to slice are the model family's (``families/``).
 """
+from ..optim.attention import LOW_MEMORY
 from ..optim.lowmem import LowMemConfig, run_low_memory
 from . import glue
 from .attention import SDOptAttention
@@ -17,7 +19,7 @@ class SDOptLowMemory:
     DESCRIPTION = (
         "Runs the diffusion model so that each operation stays within a working-memory budget: cond and uncond one "
         "after the other, GroupNorm in chunks (statistics first), convolutions and feed-forwards over slices, and "
-        "sub-quadratic attention sized from the budget. The output equals the normal one to float rounding; use it "
+        "exact attention in linear memory (PyTorch's fused sdpa kernels, else sub-quadratic chunks sized from the budget). The output equals the normal one to float rounding; use it "
         "when activations, not weights, run out of memory at large resolutions."
     )
     CATEGORY = "sdopt"
@@ -38,13 +40,13 @@ class SDOptLowMemory:
         family = glue.model_family(model)
         config = LowMemConfig(budget_mb << 20, sequential_cfg, chunk_ops, chunk_ops, chunk_ops,
                               feedforward_modules=family.described.feedforward_modules)
-        (m,) = SDOptAttention().patch(model, "sub_quadratic", "fallback", 0, budget_mb)
+        (m,) = SDOptAttention().patch(model, LOW_MEMORY, "fallback", 0, budget_mb)
 
         def low_memory_call(executor, x, *args, **kwargs):
             return run_low_memory(config, executor, x, *args, **kwargs)
 
         glue.set_wrappers(m, NODE, {"APPLY_MODEL": low_memory_call})
-        parts = [f"budget {budget_mb} MiB", "sub_quadratic attention"] + (["sequential cfg"] if sequential_cfg else []) + (["chunked GroupNorm/conv/feed-forward"] if chunk_ops else [])
+        parts = [f"budget {budget_mb} MiB", f"{LOW_MEMORY} attention"] + (["sequential cfg"] if sequential_cfg else []) + (["chunked GroupNorm/conv/feed-forward"] if chunk_ops else [])
         requested = f"budget_mb={budget_mb}, sequential_cfg={sequential_cfg}, chunk_ops={chunk_ops}"
         note = "; ".join(filter(None, ["attention set through sdopt Attention (its record is beside this one)", family.unknown_note]))
         glue.record_model(m, NODE, requested, ", ".join(parts), note)

@@ -20,13 +20,16 @@ convention above. For a named backend it resolves per input signature (shapes, d
 mask) and falls back (``on_unavailable="fallback"``) or raises ``UserError`` (``"error"``). For
 ``"auto"`` it times every available backend on the first real inputs of each signature, rejects
 those whose output differs from ``naive`` beyond the dtype's tolerance, and keeps the fastest.
-Both expose ``decisions`` for reports.
+For ``"low_memory"`` it takes, per signature, PyTorch's fused SDPA kernels (flash or
+memory-efficient, whose memory grows linearly with the tokens) where one takes the inputs, and
+``sub_quadratic`` within the memory budget elsewhere. All three expose ``decisions`` for reports.
 """
 from __future__ import annotations
 
 import functools
 import importlib
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +42,8 @@ from ..errors import UserError
 AttentionFn = Callable[..., torch.Tensor]
 
 AUTO = "auto"
+LOW_MEMORY = "low_memory"
+SELECTIONS = (AUTO, LOW_MEMORY)
 ON_UNAVAILABLE = ("fallback", "error")
 FALLBACK_ORDER = ("sdpa", "sub_quadratic", "naive")
 ANY_DEVICE = "*"
@@ -89,7 +94,7 @@ class AttentionConfig:
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
 
     def __post_init__(self):
-        if self.backend != AUTO:
+        if self.backend not in SELECTIONS:
             get_backend(self.backend)
         if self.on_unavailable not in ON_UNAVAILABLE:
             raise UserError(f"on_unavailable: must be one of {', '.join(ON_UNAVAILABLE)}, not {self.on_unavailable!r}")
@@ -164,8 +169,8 @@ _REGISTRY: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
-    if backend.name == AUTO:
-        raise ValueError(f"{AUTO!r} is reserved for automatic selection")
+    if backend.name in SELECTIONS:
+        raise ValueError(f"{backend.name!r} is reserved for a selection among backends")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"attention backend {backend.name!r} is already registered")
     _REGISTRY[backend.name] = backend
@@ -180,8 +185,8 @@ def backend_names() -> tuple[str, ...]:
 
 
 def attention_choices() -> tuple[str, ...]:
-    """Every name a user may ask for: ``"auto"`` and the registered backends."""
-    return (AUTO, *_REGISTRY)
+    """Every name a user may ask for: ``"auto"``, ``"low_memory"`` and the registered backends."""
+    return (*SELECTIONS, *_REGISTRY)
 
 
 def get_backend(name: str) -> Backend:
@@ -248,6 +253,8 @@ def resolve_backend_for_device(name: str, device: torch.device | str, on_unavail
 
 
 AUTO_NOTE = "times every available backend on the first call of each input shape and keeps the fastest that matches naive"
+LOW_MEMORY_NOTE = ("exact attention in the least memory: PyTorch's fused sdpa kernels (flash, memory-efficient; memory linear "
+                   "in the tokens) where one takes the inputs, else sub_quadratic within the memory budget")
 
 
 def expected_backend(config: AttentionConfig, device: torch.device | str) -> tuple[str, str]:
@@ -255,6 +262,10 @@ def expected_backend(config: AttentionConfig, device: torch.device | str) -> tup
     backend whose package or device is missing."""
     if config.backend == AUTO:
         return f"{AUTO} (pending)", AUTO_NOTE
+    if config.backend == LOW_MEMORY:
+        fused = get_backend(SDPA_FUSED).check(device)
+        return (f"{SDPA_FUSED} (sub_quadratic for inputs no fused kernel takes)", LOW_MEMORY_NOTE) if fused.ok \
+            else ("sub_quadratic", f"{LOW_MEMORY_NOTE}; here: {fused.reason}")
     resolved = resolve_backend_for_device(config.backend, device, config.on_unavailable)
     return resolved.name, resolved.note
 
@@ -411,6 +422,18 @@ def _forced_sdpa(kernel: SDPBackend) -> AttentionFn:
     return attention
 
 
+SDPA_FUSED = "sdpa_fused"
+_FUSED_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def sdpa_fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with only its fused kernels (flash, memory-efficient) enabled:
+    never the math kernel, whose scores take memory quadratic in the tokens."""
+    q, k, v = _unit_stride(q, k, v)
+    with sdpa_kernel(_FUSED_KERNELS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_sdpa_mask(mask, q.dtype))
+
+
 def xformers_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """``xformers.ops.memory_efficient_attention`` (layout ``[B, N, H, D]``)."""
     ops = importlib.import_module("xformers.ops")
@@ -468,6 +491,12 @@ for _backend in (
         "SDPA forced to its memory-efficient kernel",
     ),
     Backend("sdpa_math", _forced_sdpa(SDPBackend.MATH), _ALL_FLOAT, "SDPA forced to its math kernel"),
+    Backend(
+        SDPA_FUSED,
+        sdpa_fused_attention,
+        {"cpu": Limits(), "cuda": Limits()},
+        "SDPA limited to its fused kernels (flash, memory-efficient): memory linear in the tokens",
+    ),
     Backend(
         "xformers",
         xformers_attention,
@@ -584,6 +613,24 @@ class NamedAttention(_PerSignature):
         return AttentionDecision(key, resolved.requested, resolved.name, resolved.note, rejected=rejected)
 
 
+class LowMemoryAttention(_PerSignature):
+    """``sdpa_fused`` where one of PyTorch's fused kernels takes the signature (tried once on its
+    first inputs: which kernel runs depends on dtype, head dim, mask, layout and the build),
+    ``sub_quadratic`` within ``memory_budget_bytes`` elsewhere."""
+
+    def _decide(self, key, q, k, v, mask) -> AttentionDecision:
+        fused = available(SDPA_FUSED, q, k, v, mask)
+        if fused.ok:
+            try:
+                with warnings.catch_warnings():  # torch warns once per kernel it turns down before raising
+                    warnings.simplefilter("ignore")
+                    self._function(SDPA_FUSED)(q, k, v, mask)
+                return AttentionDecision(key, LOW_MEMORY, SDPA_FUSED)
+            except RuntimeError as error:
+                fused = Availability(False, f"no fused sdpa kernel takes these inputs ({str(error).splitlines()[0]})")
+        return AttentionDecision(key, LOW_MEMORY, "sub_quadratic", f"sub_quadratic: {fused.reason}", rejected={SDPA_FUSED: fused.reason})
+
+
 def build_attention(
     config: AttentionConfig, on_decision: Callable[[AttentionDecision], None] | None = None
 ) -> _PerSignature:
@@ -592,6 +639,8 @@ def build_attention(
         from .attention_auto import AutoAttention
 
         return AutoAttention(config, on_decision)
+    if config.backend == LOW_MEMORY:
+        return LowMemoryAttention(config, on_decision)
     return NamedAttention(config, on_decision)
 
 

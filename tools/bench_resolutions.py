@@ -103,7 +103,7 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
     if stack == STOCK:
         unet_setting, vae_settings, unet_weights = UNET_SETTINGS[0], VAE_SETTINGS[:1], planner.weights["unet"]
     else:
-        unet_setting = lowmem_setting(LOWMEM_BUDGET_MB, "sub_quadratic")
+        unet_setting = lowmem_setting(LOWMEM_BUDGET_MB)
         resident = offload_mb * _MiB if offload_mb else planner.streamed_unet_bytes
         vae_settings, unet_weights = VAE_SETTINGS, min(planner.weights["unet"], resident)
     loaded = {UNET_STEP: unet_weights, VAE_DECODE: planner.weights["vae"]} if weights_on_device else {UNET_STEP: 0, VAE_DECODE: 0}

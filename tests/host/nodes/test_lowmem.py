@@ -62,9 +62,9 @@ def test_low_memory_sampling_matches_stock_and_leaves_the_model_alone(family_hos
     over_budget = 2 * 2560 * max(stock_tokens) * 4 > 2**20  # GEGLU activations of the widest feed-forward, fp32
     assert (set(tokens) != set(stock_tokens)) == over_budget, "feed-forwards over the budget ran over token slices too"
     records = {r["node"]: r for r in family_host.glue.model_records(patched.model_options)}
-    assert records["SDOptLowMemory"]["active"] == "budget 1 MiB, sub_quadratic attention, sequential cfg, chunked GroupNorm/conv/feed-forward"
+    assert records["SDOptLowMemory"]["active"] == "budget 1 MiB, low_memory attention, sequential cfg, chunked GroupNorm/conv/feed-forward"
     assert "family unknown" not in records["SDOptLowMemory"]["note"]
-    assert records["SDOptAttention"]["active"] == "sub_quadratic"
+    assert records["SDOptAttention"]["active"] == "sdpa_fused (sub_quadratic for inputs no fused kernel takes)"
 
 
 def test_chunked_ops_on_the_whole_cfg_batch_match_stock(family_host):

@@ -241,7 +241,7 @@ def test_nothing_can_run_raises():
 def test_config_is_validated():
     with pytest.raises(UserError, match="on_unavailable"):
         AttentionConfig(on_unavailable="ignore")
-    with pytest.raises(UserError, match="choose from auto, sdpa"):
+    with pytest.raises(UserError, match="choose from auto, low_memory, sdpa"):
         AttentionConfig(backend="sdap")
     with pytest.raises(UserError):
         AttentionConfig(memory_budget_bytes=0)
@@ -260,6 +260,41 @@ def test_named_attention_falls_back_per_signature(registered):
     assert seen == [decision]
     assert decision.picked == "sdpa" and "pip install needs-pkg" in decision.rejected["needs_pkg"]
     assert summarize_decisions(attention.decisions) == ("sdpa", decision.note)
+
+
+def test_low_memory_takes_a_fused_kernel_where_one_runs():
+    q, k, v = _qkv(1, 2, 64, 64, 16)
+    attention = build_attention(AttentionConfig(backend=A.LOW_MEMORY))
+    torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    (decision,) = attention.decisions
+    # PyTorch's CPU flash kernel takes fp32 without a mask
+    assert (decision.requested, decision.picked, decision.note) == (A.LOW_MEMORY, A.SDPA_FUSED, "")
+
+
+def test_low_memory_falls_back_to_sub_quadratic_where_no_fused_kernel_runs(monkeypatch):
+    def refusing(q, k, v, mask=None):
+        raise RuntimeError("No available kernel. Aborting execution.\nmore detail")
+
+    monkeypatch.setitem(A._REGISTRY, A.SDPA_FUSED, dataclasses.replace(get_backend(A.SDPA_FUSED), fn=refusing))
+    q, k, v = _qkv(1, 2, 64, 64, 16)
+    attention = build_attention(AttentionConfig(backend=A.LOW_MEMORY, memory_budget_bytes=4096))
+    torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    (decision,) = attention.decisions
+    assert decision.picked == "sub_quadratic"
+    assert decision.rejected == {A.SDPA_FUSED: "no fused sdpa kernel takes these inputs (No available kernel. Aborting execution.)"}
+    assert summarize_decisions(attention.decisions) == ("sub_quadratic", f"sub_quadratic: {decision.rejected[A.SDPA_FUSED]}")
+
+
+def test_low_memory_on_a_device_without_fused_kernels_says_sub_quadratic_before_it_runs():
+    assert A.expected_backend(AttentionConfig(backend=A.LOW_MEMORY), "cpu")[0].startswith(A.SDPA_FUSED)
+    active, note = A.expected_backend(AttentionConfig(backend=A.LOW_MEMORY), "mps")
+    assert active == "sub_quadratic" and note.startswith(A.LOW_MEMORY_NOTE) and "mps" in note
+
+
+def test_selections_are_reserved_names():
+    for name in A.SELECTIONS:
+        with pytest.raises(ValueError, match="reserved"):
+            register_backend(Backend(name, naive_attention, {A.ANY_DEVICE: Limits()}))
 
 
 def _counting(name, fn, calls):

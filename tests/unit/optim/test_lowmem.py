@@ -232,7 +232,7 @@ def test_feedforward_working_bytes_from_the_widest_layer():
 def test_attention_chunks_fit_the_budget():
     budget = 1 << 20
     config = attention_config(LowMemConfig(budget_bytes=budget))
-    assert (config.backend, config.memory_budget_bytes) == ("sub_quadratic", budget)
+    assert (config.backend, config.memory_budget_bytes) == ("low_memory", budget)
     q_chunk, kv_chunk = attention_chunks((2, 8, 4096, 40), (2, 8, 4096, 40), torch.float16, budget)
     assert (q_chunk, kv_chunk) == sub_quadratic_chunks(16, 4096, 4096, 4, budget)
     assert 2 * 16 * q_chunk * kv_chunk * 4 <= budget and q_chunk < 4096

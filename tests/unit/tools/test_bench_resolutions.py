@@ -30,7 +30,7 @@ class FixedPlanner:
 
 PEAKS = {
     (UNET_STEP, "sdpa, CFG batch 2"): 3000,
-    (UNET_STEP, "low memory 256 MiB, sub_quadratic"): 700,
+    (UNET_STEP, "low memory 256 MiB, sdpa"): 700,
     (VAE_DECODE, "untiled, sdpa"): 5000,
     (VAE_DECODE, "tiled 512 px"): 900,
     (VAE_DECODE, "tiled 256 px"): 400,
@@ -49,7 +49,7 @@ def test_sdopt_cell_keeps_the_offload_budget_of_unet_weights_and_the_first_vae_t
     peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1500 * MiB, weights_on_device=True)
     # UNet: 1024 of its 1600 MiB resident, + 1 + 700; VAE: untiled (160 + 1 + 5000) is over, 512 px tiles fit.
     assert peak == max(1024 + 1 + 700, 160 + 1 + 900) * MiB
-    assert settings == "low memory 256 MiB, sub_quadratic; VAE tiled 512 px"
+    assert settings == "low memory 256 MiB, sdpa; VAE tiled 512 px"
     peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True)
     assert settings.endswith("VAE tiled 256 px") and peak == (1024 + 1 + 700) * MiB
 
