@@ -1,4 +1,7 @@
-"""The one exception type that the CLI prints as a single line, without a traceback."""
+"""What the pack tells a user is wrong: ``UserError``, the one exception type that the CLI prints as a
+single line without a traceback, and ``Unavailable``, what every technique's ``unavailable(config,
+device, ...)`` answers where it cannot run."""
+from typing import NamedTuple
 
 
 class UserError(Exception):
@@ -6,3 +9,12 @@ class UserError(Exception):
 
     # ComfyUI loads the pack under its folder path; this keeps its error dialog reading "sdopt.UserError".
     __module__ = "sdopt"
+
+
+class Unavailable(NamedTuple):
+    """Why a technique cannot run here, what fixes it, and the node input the fix concerns (a node
+    raising the error files it under that input)."""
+
+    reason: str
+    fix: str
+    input: str = "on_unavailable"

@@ -7,12 +7,13 @@ on a clone. Calls that ask for what sdopt's backends do not take (a custom ``sca
 """
 import torch
 
-from ..errors import UserError
+from ..errors import Unavailable
 from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, summarize_decisions
 from . import glue
 
 NODE = "SDOptAttention"
 OVERRIDE_KEY = "optimized_attention_override"
+NO_OVERRIDE = Unavailable("this ComfyUI has no per-model attention override (needs 0.3.60 or newer)", "update ComfyUI", "backend")
 DELEGATED = "calls with a custom scale or grouped-query attention ran ComfyUI's own function"
 
 
@@ -80,8 +81,7 @@ class SDOptAttention:
         glue.check_inputs(SDOptAttention, backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_mb=memory_budget_mb)
         m = model.clone()
         if not hasattr(glue.comfy_attention(), "wrap_attn"):
-            if on_unavailable == "error":
-                raise UserError("backend: this ComfyUI has no per-model attention override (needs 0.3.60 or newer); update ComfyUI")
+            glue.fall_back_or_raise(on_unavailable, NO_OVERRIDE, "run ComfyUI's own attention")
             glue.record_model(m, NODE, backend, "ComfyUI default", "fallback: this ComfyUI has no per-model attention override (0.3.60+)",
                               "runs ComfyUI's own attention: this ComfyUI has no per-model override")
             return (m,)

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ..optim.attention import AttentionConfig, build_attention
-from ..optim.compile import BACKENDS, COMPILE_MODES, MODES, CompileConfig, graph_break_reasons, unavailable_reason
+from ..optim.compile import BACKENDS, COMPILE_MODES, MODES, CompileConfig, graph_break_reasons, unavailable
 from . import glue
 from .attention import OVERRIDE_KEY, comfy_attention_override
 
@@ -99,9 +99,7 @@ class SDOptCompile:
         glue.check_inputs(SDOptCompile, mode=mode, backend=backend, compile_mode=compile_mode, dynamic=dynamic, fullgraph=fullgraph, on_unavailable=on_unavailable)
         config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
-        reason, fix = unavailable_reason(config, model.load_device) or (None, "")
-        fix += " (or set on_unavailable to fallback to run eager)"
-        m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "backend", fix, compile_config=config)
+        m, path_note = glue.fast_path_clone(model, NODE, requested, unavailable(config, model.load_device), on_unavailable, compile_config=config)
         if path_note is not None:
             routed, calls = route_attention(m, config)
             glue.fast_path_of(m).notes[NODE] = lambda: routed if calls.get("eager") else ""

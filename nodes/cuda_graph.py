@@ -5,7 +5,7 @@ graph captures the compiled code. Calls a graph cannot serve run eagerly, and th
 """
 import torch
 
-from ..optim.cuda_graph import GraphConfig, graphs_unavailable_reason
+from ..optim.cuda_graph import GraphConfig, unavailable
 from . import glue
 
 NODE = "SDOptCUDAGraph"
@@ -35,9 +35,8 @@ class SDOptCUDAGraph:
         glue.check_inputs(SDOptCUDAGraph, max_graphs=max_graphs, on_unavailable=on_unavailable)
         config = GraphConfig(max_graphs=max_graphs)
         requested = f"max_graphs={max_graphs}, on_unavailable={on_unavailable}"
-        reason = graphs_unavailable_reason(torch.device(model.load_device))
-        fix = "set on_unavailable to fallback to run eager here"
-        m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "on_unavailable", fix, graph_config=config)
+        problem = unavailable(config, torch.device(model.load_device))
+        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, graph_config=config)
         if path_note is not None:
             note = "; ".join(filter(None, [path_note, "captured on the first step of each input signature"]))
             glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", note)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
+from ..errors import Unavailable, UserError
 from ..families import SD15, DiffusionCall, Family, family_of_config_class
 from ..measure.profiler import PeakMemory, active_run
 from ..measure.record import record
@@ -66,6 +66,18 @@ def free_for_work(device: torch.device) -> int:
     if torch.device(device).type == "cpu" or not callable(reserved):
         return free
     return max(free - int(reserved()), 0)
+
+
+def fall_back_or_raise(on_unavailable: str, problem: Unavailable | None, fallback: str) -> str | None:
+    """Every node's ``on_unavailable`` choice, where a technique's ``unavailable(...)`` found a
+    ``problem``: ``"error"`` raises a UserError filed under the input the fix concerns; ``"fallback"``
+    returns the reason, for the record of what the node does instead (``fallback``, e.g. "run
+    eager"). None where there is no problem."""
+    if problem is None:
+        return None
+    if on_unavailable == "error":
+        raise UserError(f"{problem.input}: {problem.reason}; {problem.fix} (or set on_unavailable to fallback to {fallback})")
+    return problem.reason
 
 
 def wrapper_types():
@@ -827,13 +839,12 @@ def install_fast_path(model, fast_path: FastPath) -> None:
     set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "SAMPLER_SAMPLE": report_after_sampling})
 
 
-def fast_path_clone(model, node: str, requested: str, unavailable: str | None, on_unavailable: str, input_name: str, fix: str, **configs):
+def fast_path_clone(model, node: str, requested: str, problem: Unavailable | None, on_unavailable: str, **configs):
     """(clone, note) for SDOptCompile, SDOptCUDAGraph and SDOptStepCache: the clone's fast path gets
-    ``configs`` (``compile_config=``, ``graph_config=`` or ``step_cache_config=``). Where ``unavailable`` names a reason: with
-    ``on_unavailable="error"`` a UserError naming ``input_name`` and ``fix``, else the clone as it
-    is, recorded as eager, and a None note."""
-    if unavailable and on_unavailable == "error":
-        raise UserError(f"{input_name}: {unavailable}; {fix}")
+    ``configs`` (``compile_config=``, ``graph_config=`` or ``step_cache_config=``). Where ``problem``
+    says the technique cannot run: ``fall_back_or_raise``, then the clone as it is, recorded as
+    eager, and a None note."""
+    unavailable = fall_back_or_raise(on_unavailable, problem, "run eager")
     m, path_note = non_dynamic_clone(model)
     if unavailable:
         record_model(m, node, requested, "eager", f"{unavailable}; running eager", f"runs eager: {unavailable}")

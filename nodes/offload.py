@@ -11,8 +11,7 @@ ComfyUI 0.38's dynamic VRAM streams every model under one global policy; ``none`
 ``sequential`` run on the patcher's non-dynamic delegate (as ComfyUI's TorchCompileModel does), so
 this model's budget holds. The record says which path ran.
 """
-from ..errors import UserError
-from ..optim.offload import MIB, MODES, OffloadConfig, plan_residency, residency_summary, unavailable_reason
+from ..optim.offload import MIB, MODES, OffloadConfig, plan_residency, residency_summary, unavailable
 from . import glue
 
 NODE = "SDOptOffload"
@@ -109,11 +108,11 @@ class SDOptOffload:
         glue.check_inputs(SDOptOffload, mode=mode, budget_mb=budget_mb, on_unavailable=on_unavailable)
         config = OffloadConfig(mode, budget_mb * MIB)
         requested = f"mode={mode}" + (f", budget_mb={budget_mb}" if mode == "budget" else "")
-        reason = unavailable_reason(model.load_device.type)
-        if reason is None:
+        problem = unavailable(config, model.load_device)
+        if problem is None:
             return (offload_clone(model, config, requested),)
-        if on_unavailable == "error" and mode != "none":
-            raise UserError(f"mode: {reason}; set mode to none, or on_unavailable to fallback")
+        # mode none asks for nothing, so it cannot fail
+        reason = glue.fall_back_or_raise(on_unavailable if mode != "none" else "fallback", problem, "pass the model through")
         m = glue.patched_clone(model, NODE)
         glue.record_model(m, NODE, requested, "no-op", reason, f"does nothing: {reason}" if mode != "none" else "")
         return (m,)

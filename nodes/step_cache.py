@@ -42,9 +42,8 @@ class SDOptStepCache:
         config = StepCacheConfig(mode, interval, branch, start, end)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         blocks = glue.comfy_unet_blocks(model.model.diffusion_model)
-        reason, fix = unavailable(config, blocks) or (None, "")
-        m, path_note = glue.fast_path_clone(model, NODE, requested, reason, on_unavailable, "mode" if blocks is None else "branch",
-                                            fix, step_cache_config=config)
+        problem = unavailable(config, model.load_device, blocks=blocks)
+        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, step_cache_config=config)
         if path_note is not None:
             glue.fast_path_of(m).notes[NODE] = lambda: QUALITY_NOTE
             glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, QUALITY_NOTE])))

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import Unavailable
 from .cuda_graph import input_signature
 
 MODES = ("compile", "compile_regional", "trace")
@@ -93,19 +94,19 @@ class CompileConfig:
         return f"{self.mode}-{self.backend}-{self.compile_mode}{'-dynamic' if self.dynamic else ''}{'-fullgraph' if self.fullgraph else ''}"
 
 
-def unavailable_reason(config: CompileConfig, device: torch.device) -> tuple[str, str] | None:
-    """(why ``config`` cannot run on ``device`` here, the fix that fits), or None when it can."""
+def unavailable(config: CompileConfig, device: torch.device) -> Unavailable | None:
+    """Why ``config`` cannot run on ``device`` here and the fix that fits, or None when it can."""
     if config.mode == "trace":
         return None
     other_backend = "pick backend aot_eager or eager, or mode trace"
     if config.backend == "inductor":
         if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-            return "inductor on CUDA needs Triton (pip install triton)", f"install triton, or {other_backend}"
+            return Unavailable("inductor on CUDA needs Triton (pip install triton)", f"install triton, or {other_backend}", "backend")
         if device.type == "cpu" and not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
-            return "inductor on a CPU needs a C++ compiler (g++ or clang++)", f"install g++ or clang++, or {other_backend}"
+            return Unavailable("inductor on a CPU needs a C++ compiler (g++ or clang++)", f"install g++ or clang++, or {other_backend}", "backend")
     if config.backend == "cudagraphs" and device.type != "cuda":
-        return (f"the cudagraphs backend needs a CUDA device; this model runs on {device.type}",
-                "pick backend inductor, aot_eager or eager, or mode trace")
+        return Unavailable(f"the cudagraphs backend needs a CUDA device; this model runs on {device.type}",
+                           "pick backend inductor, aot_eager or eager, or mode trace", "backend")
     return None
 
 

@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import Unavailable
+
 Signature = tuple
 
 
@@ -70,12 +72,12 @@ class CUDACaptureBackend:
         return Captured(static_inputs, output, graph.replay)
 
 
-def graphs_unavailable_reason(device: torch.device) -> str | None:
-    """Why CUDA graphs cannot run on ``device``, or None when they can."""
+def unavailable(config: GraphConfig, device: torch.device) -> Unavailable | None:
+    """Why CUDA graphs cannot run on ``device``, with the fix, or None when they can."""
     if device.type != "cuda":
-        return f"CUDA graphs need a CUDA device; this model runs on {device.type}"
+        return Unavailable(f"CUDA graphs need a CUDA device; this model runs on {device.type}", "run the model on a CUDA GPU")
     if not torch.cuda.is_available():
-        return "CUDA graphs need CUDA, and torch.cuda is not available"
+        return Unavailable("CUDA graphs need CUDA, and torch.cuda is not available", "install a CUDA build of torch")
     return None
 
 
@@ -171,7 +173,8 @@ class GraphedFunction:
             return "inputs on several devices" if devices else "no tensor inputs"
         (device,) = devices
         if self.backend is None:
-            reason = graphs_unavailable_reason(device)
+            problem = unavailable(self.config, device)
+            reason = problem.reason if problem else None
             if reason:
                 return reason
         if {weight_device for _, _, weight_device in identity} - {device}:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UserError
+import torch
+
+from ..errors import Unavailable, UserError
 
 MODES = ("none", "budget", "sequential", "unload_after")
 MIB = 2**20
@@ -80,8 +82,9 @@ def plan_residency(config: OffloadConfig, model_bytes: int, loaded_bytes: int) -
     )
 
 
-def unavailable_reason(device_type: str) -> str | None:
-    """Why offload cannot act on ``device_type``, or None."""
-    if device_type == "cpu":
-        return "the model runs on the CPU, where its weights already live in RAM: there is nothing to offload"
+def unavailable(config: OffloadConfig, device: torch.device) -> Unavailable | None:
+    """Why offload cannot act on ``device``, with the fix, or None."""
+    if torch.device(device).type == "cpu":
+        return Unavailable("the model runs on the CPU, where its weights already live in RAM: there is nothing to offload",
+                           "set mode to none", "mode")
     return None

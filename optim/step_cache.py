@@ -17,7 +17,7 @@ from typing import Any, Hashable, Protocol
 
 import torch
 
-from ..errors import UserError
+from ..errors import Unavailable, UserError
 
 DEEPCACHE = "deepcache"
 MODES = (DEEPCACHE,)
@@ -58,14 +58,15 @@ class StepCacheConfig:
         return f"{self.mode}: interval {self.interval}, branch {self.branch}{span}"
 
 
-def unavailable(config: StepCacheConfig, blocks: "UNetBlocks | None") -> tuple[str, str] | None:
-    """(reason, fix) where the cache cannot run on this model, else None."""
+def unavailable(config: StepCacheConfig, device: torch.device | None, *, blocks: "UNetBlocks | None") -> Unavailable | None:
+    """Why the cache cannot run on this model, with the fix, else None. Any device serves; what
+    decides is the model's layout, ``blocks`` (None where it is not a UNet)."""
     if blocks is None:
-        return ("the model is not a UNet with down, middle and up blocks (DeepCache needs its skip connections)",
-                "leave sdopt Step Cache out for this model")
+        return Unavailable("the model is not a UNet with down, middle and up blocks (DeepCache needs its skip connections)",
+                           "leave sdopt Step Cache out for this model", "mode")
     if config.branch >= blocks.depth:
-        return (f"branch {config.branch} is past the UNet's {blocks.depth} skip levels",
-                f"choose a branch below {blocks.depth}")
+        return Unavailable(f"branch {config.branch} is past the UNet's {blocks.depth} skip levels",
+                           f"choose a branch below {blocks.depth}", "branch")
     return None
 
 

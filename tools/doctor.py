@@ -3,9 +3,9 @@
 Every check runs its thing (a kernel, a cast, an attention call compared with sdpa, a compile, a
 graph capture, a file written into the compile cache), never an import alone, and gives rows: what
 was tried, a status, the result, and for anything short of ``ok`` the fix. The rows about sdopt's
-nodes ask each technique's own availability function (``optim.compile.unavailable_reason``,
-``optim.cuda_graph.graphs_unavailable_reason``, ``optim.offload.unavailable_reason``, the attention
-registry's checks, ``optim.precision``'s probes), so they say what the nodes themselves decide here.
+nodes ask each technique's own ``unavailable(config, device)`` (``optim.compile``,
+``optim.cuda_graph``, ``optim.offload``), the attention registry's checks and ``optim.precision``'s
+probes, so they say what the nodes themselves decide here.
 
 ComfyUI is looked at without booting it: its version file and the modules whose APIs sdopt uses
 (``load_comfyui``); inside a running ComfyUI (the sdopt Doctor node, ``nodes/doctor.py``) the live
@@ -395,14 +395,14 @@ def _cpp_compiler() -> str | None:
 
 
 def check_inductor(ctx: Context) -> list[CheckRow]:
-    from ..optim.compile import CompileConfig, unavailable_reason
+    from ..optim.compile import CompileConfig, unavailable
 
     device = ctx.device
     generator = f"Triton {_package_version('triton') or _package_version('triton-windows') or '?'}" if device.type == "cuda" else f"the C++ compiler {_cpp_compiler()}"
     tried = f"torch.compile(backend='inductor', fullgraph=True) of a matmul + GELU + sin on {device}, run and compared with eager"
-    missing = unavailable_reason(CompileConfig(), device)
+    missing = unavailable(CompileConfig(), device)
     if missing:
-        reason, fix = missing
+        reason, fix, _ = missing
         return [CheckRow("inductor", tried, UNAVAILABLE, reason, fix + " (sdopt Compile: backend aot_eager or eager, or mode trace)")]
     started = time.perf_counter()
     try:
@@ -446,12 +446,12 @@ def _graph_trial(device: torch.device) -> float:
 
 
 def check_cuda_graph(ctx: Context) -> list[CheckRow]:
-    from ..optim.cuda_graph import graphs_unavailable_reason
+    from ..optim.cuda_graph import GraphConfig, unavailable
 
     tried = f"captured a matmul + ReLU into a CUDA graph on {ctx.device}, replayed it on new input, compared with eager"
-    reason = graphs_unavailable_reason(ctx.device)
-    if reason:
-        return [CheckRow("CUDA graph", tried, UNAVAILABLE, reason,
+    problem = unavailable(GraphConfig(), ctx.device)
+    if problem:
+        return [CheckRow("CUDA graph", tried, UNAVAILABLE, problem.reason,
                          "needs an NVIDIA GPU and a CUDA build of torch; sdopt CUDA Graph passes the model through here (on_unavailable=fallback)")]
     try:
         error = _graph_trial(ctx.device)
@@ -682,12 +682,12 @@ def _attention_rows(ctx: Context) -> list[CheckRow]:
 
 
 def _compile_row(ctx: Context) -> CheckRow:
-    from ..optim.compile import BACKENDS, CompileConfig, unavailable_reason
+    from ..optim.compile import BACKENDS, CompileConfig, unavailable
 
     backends, cannot, fixes = [], {}, []
     inductor_failed = _trial_failed(ctx, "inductor")
     for backend in BACKENDS:
-        missing = unavailable_reason(CompileConfig(backend=backend), ctx.device)
+        missing = unavailable(CompileConfig(backend=backend), ctx.device)
         if missing:
             cannot[f"backend {backend}"] = missing[0]
             fixes.append(missing[1])
@@ -699,21 +699,23 @@ def _compile_row(ctx: Context) -> CheckRow:
     runs = [f"compile and compile_regional with {', '.join(backends)}"] if backends else []
     runs.append("trace")
     return _node_row("sdopt Compile", runs, cannot, "; ".join(dict.fromkeys(fixes)),
-                     "optim.compile.unavailable_reason for every backend, and the inductor trial")
+                     "optim.compile.unavailable for every backend, and the inductor trial")
 
 
 def _graph_and_offload_rows(ctx: Context) -> list[CheckRow]:
-    from ..optim.cuda_graph import graphs_unavailable_reason
-    from ..optim.offload import MODES as OFFLOAD_MODES, unavailable_reason as offload_unavailable
+    from ..optim.cuda_graph import GraphConfig, unavailable as graph_unavailable
+    from ..optim.offload import MODES as OFFLOAD_MODES, OffloadConfig, unavailable as offload_unavailable
 
-    reason = graphs_unavailable_reason(ctx.device) or _trial_failed(ctx, "CUDA graph")
+    problem = graph_unavailable(GraphConfig(), ctx.device)
+    reason = (problem.reason if problem else None) or _trial_failed(ctx, "CUDA graph")
     graph = _node_row("sdopt CUDA Graph", [] if reason else ["capture and replay per input signature"], {"CUDA graphs": reason} if reason else {},
                       "needs an NVIDIA GPU; with on_unavailable=fallback the node passes the model through",
-                      "optim.cuda_graph.graphs_unavailable_reason and the capture trial")
-    reason = offload_unavailable(ctx.device.type)
+                      "optim.cuda_graph.unavailable and the capture trial")
+    problem = offload_unavailable(OffloadConfig(), ctx.device)
+    reason = problem.reason if problem else None
     offload = _node_row("sdopt Offload", [] if reason else list(OFFLOAD_MODES), {"every mode": reason} if reason else {},
                         "needs a GPU: on a CPU the weights are already in RAM; with on_unavailable=fallback the node passes the model through",
-                        "optim.offload.unavailable_reason for this device")
+                        "optim.offload.unavailable for this device")
     return [graph, offload]
 
 

@@ -1140,7 +1140,7 @@ def test_fast_path_runs_eager_where_it_cannot_serve_and_counts_why(patcher_exten
 def test_compile_and_graph_share_one_fast_path_in_either_order(patcher_extension, monkeypatch):
     from sdopt.nodes import cuda_graph as graph_node
 
-    monkeypatch.setattr(graph_node, "graphs_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(graph_node, "unavailable", lambda config, device: None)
     graph = lambda model: graph_node.SDOptCUDAGraph().patch(model, 3, "fallback")[0]  # noqa: E731
     for model in (graph(_compile_node(FastPatcher())), _compile_node(graph(FastPatcher()))):
         fast_path = glue.fast_path_of(model)
@@ -1237,8 +1237,8 @@ def test_the_step_whose_call_captures_is_warm_up_with_the_compile_inside_counted
     from sdopt.nodes import cuda_graph as graph_node
     from sdopt.optim import cuda_graph
 
-    monkeypatch.setattr(graph_node, "graphs_unavailable_reason", lambda device: None)
-    monkeypatch.setattr(cuda_graph, "graphs_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(graph_node, "unavailable", lambda config, device: None)
+    monkeypatch.setattr(cuda_graph, "unavailable", lambda config, device: None)
     monkeypatch.setattr(cuda_graph, "CUDACaptureBackend", RecomputingCapture)
     model = graph_node.SDOptCUDAGraph().patch(_compile_node(FastPatcher()), 4, "fallback")[0]
     fast_path = glue.fast_path_of(model)
@@ -1519,3 +1519,15 @@ def test_free_for_work_leaves_comfyuis_reserved_vram(monkeypatch):
     # host memory has no VRAM reserve
     from sdopt.optim.tiled_vae import free_memory
     assert abs(glue.free_for_work(torch.device("cpu")) - free_memory("cpu")) < 256 << 20
+
+
+def test_fall_back_or_raise_is_every_nodes_on_unavailable():
+    from sdopt.errors import Unavailable
+
+    problem = Unavailable("no GPU here", "run it on a GPU", "mode")
+    assert glue.fall_back_or_raise("fallback", None, "run eager") is None
+    assert glue.fall_back_or_raise("error", None, "run eager") is None
+    assert glue.fall_back_or_raise("fallback", problem, "run eager") == "no GPU here"
+    with pytest.raises(UserError) as raised:
+        glue.fall_back_or_raise("error", problem, "run eager")
+    assert str(raised.value) == "mode: no GPU here; run it on a GPU (or set on_unavailable to fallback to run eager)"

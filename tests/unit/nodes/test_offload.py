@@ -193,7 +193,7 @@ def test_on_a_cpu_it_is_a_no_op_or_an_error_naming_the_input(comfy):
     (record,) = glue.model_records(model.model_options)
     assert record["active"] == "no-op" and "CPU" in record["note"]
     assert record["short"].startswith("does nothing: "), "the report table says the node did less than asked"
-    with pytest.raises(UserError, match=r"^mode: .*set mode to none, or on_unavailable to fallback"):
+    with pytest.raises(UserError, match=r"^mode: .*; set mode to none \(or set on_unavailable to fallback to pass the model through\)$"):
         _node(MemoryPatcher("cpu"), "sequential", on_unavailable="error")
 
 

@@ -17,7 +17,7 @@ import torch
 
 from sdopt.optim.compile import (
     INDUCTOR_CACHE_VAR, TRITON_CACHE_VAR, ArtifactCache, CompileConfig, CompileStats, cache_entries, compile_forward,
-    foreign_items, nchw_conv_weight_bytes, purge_cache, repeated_blocks, unavailable_reason,
+    foreign_items, nchw_conv_weight_bytes, purge_cache, repeated_blocks, unavailable,
 )
 from sdopt.optim import compile as compile_module
 from sdopt.optim.precision import converted_copy
@@ -159,9 +159,10 @@ def test_regional_compile_leaves_the_module_as_it_was(tiny_unet):
 def test_config_and_availability():
     with pytest.raises(ValueError, match="mode must be one of"):
         CompileConfig("jit")
-    reason, _fix = unavailable_reason(CompileConfig(backend="cudagraphs"), torch.device("cpu"))
+    reason, _fix, input_name = unavailable(CompileConfig(backend="cudagraphs"), torch.device("cpu"))
+    assert input_name == "backend"
     assert "CUDA device" in reason
-    assert unavailable_reason(CompileConfig("trace"), torch.device("cpu")) is None
+    assert unavailable(CompileConfig("trace"), torch.device("cpu")) is None
 
 
 class TwoHalves(torch.nn.Module):

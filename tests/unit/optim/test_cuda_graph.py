@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from sdopt.optim.cuda_graph import GraphConfig, GraphedFunction, graphs_unavailable_reason, module_weights
+from sdopt.optim.cuda_graph import GraphConfig, GraphedFunction, module_weights, unavailable
 from sdopt.optim.cuda_graph import Captured
 
 
@@ -155,7 +155,7 @@ def test_without_cuda_the_default_backend_runs_eagerly():
     net = Net()
     fn = GraphedFunction(net, net.parameters)
     torch.testing.assert_close(fn(*inputs()), net(*inputs()), **EXACT)
-    assert fn.stats.eager_reasons == {graphs_unavailable_reason(torch.device("cpu")): 1}
+    assert fn.stats.eager_reasons == {unavailable(GraphConfig(), torch.device("cpu")).reason: 1}
 
 
 def test_module_weights_reread_replaced_parameters_and_buffers():

@@ -1,8 +1,9 @@
 """optim.offload: what each mode keeps resident, given what the host loaded."""
 import pytest
+import torch
 
 from sdopt.errors import UserError
-from sdopt.optim.offload import MIB, OffloadConfig, plan_residency, unavailable_reason
+from sdopt.optim.offload import MIB, OffloadConfig, plan_residency, unavailable
 
 SIZE = 1000 * MIB
 
@@ -35,5 +36,6 @@ def test_bad_config_names_the_input(mode, budget, message):
 
 
 def test_only_a_cpu_is_unavailable():
-    assert "CPU" in unavailable_reason("cpu")
-    assert unavailable_reason("cuda") is None
+    problem = unavailable(OffloadConfig(), torch.device("cpu"))
+    assert "CPU" in problem.reason and (problem.fix, problem.input) == ("set mode to none", "mode")
+    assert unavailable(OffloadConfig(), torch.device("cuda")) is None

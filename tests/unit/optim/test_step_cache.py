@@ -127,7 +127,8 @@ def test_the_shallow_call_on_its_own_calls_features_equals_the_full_call(branch)
 
 
 def test_a_branch_past_the_levels_is_unavailable():
-    assert unavailable(StepCacheConfig(branch=2), ToyUNet(depth=3)) is None
-    reason, fix = unavailable(StepCacheConfig(branch=3), ToyUNet(depth=3))
-    assert "past the UNet's 3 skip levels" in reason and fix == "choose a branch below 3"
-    assert "not a UNet" in unavailable(StepCacheConfig(), None)[0]
+    assert unavailable(StepCacheConfig(branch=2), None, blocks=ToyUNet(depth=3)) is None
+    reason, fix, input_name = unavailable(StepCacheConfig(branch=3), None, blocks=ToyUNet(depth=3))
+    assert "past the UNet's 3 skip levels" in reason and (fix, input_name) == ("choose a branch below 3", "branch")
+    problem = unavailable(StepCacheConfig(), None, blocks=None)
+    assert "not a UNet" in problem.reason and problem.input == "mode"

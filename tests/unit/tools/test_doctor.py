@@ -249,7 +249,7 @@ class EagerGraphs:
 
 
 def test_cuda_graph_capture_and_replay(monkeypatch):
-    monkeypatch.setattr(cuda_graph_module, "graphs_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(cuda_graph_module, "unavailable", lambda config, device: None)
     monkeypatch.setattr(doctor, "_capture_backend", EagerGraphs)
     row = one(doctor.check_cuda_graph(ctx()), "CUDA graph")
     assert row.status == OK and "replayed" in row.result
@@ -259,7 +259,7 @@ def test_cuda_graph_on_a_cpu_and_a_failing_replay(monkeypatch):
     row = one(doctor.check_cuda_graph(ctx()), "CUDA graph")
     assert row.status == UNAVAILABLE and "CUDA device" in row.result
     assert_fix(row, "NVIDIA GPU")
-    monkeypatch.setattr(cuda_graph_module, "graphs_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(cuda_graph_module, "unavailable", lambda config, device: None)
     monkeypatch.setattr(doctor, "_capture_backend", lambda: EagerGraphs(fail_replay=True))
     row = one(doctor.check_cuda_graph(ctx()), "CUDA graph")
     assert row.status == FAILED and "not permitted" in row.result

@@ -1,0 +1,154 @@
+"""The soak's pure parts: prompts drawn from a seed (valid against the real node definitions, every node
+covered), the drift and the verdict, the server's error replies read into one line, the CLI's options."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from sdopt.nodes.registry import NODE_CLASS_MAPPINGS
+from sdopt.tools.cli import build_parser, main
+from sdopt.tools.soak import (
+    GROUPS, LORA, PROFILER, REPORT, SOAK_NODES, SUCCESS, PromptOutcome, SoakResult, _rejection, drift, history_error,
+    plan_prompt, probe_prompt, problems,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CHECKPOINTS = {"sdopt-mini-sd15.safetensors": "sdopt-soak-mini-lora.safetensors"}
+
+
+@pytest.fixture(scope="module")
+def core_definitions():
+    return json.loads((FIXTURES / "object_info.json").read_text())
+
+
+def _check_value(where: str, spec, value) -> None:
+    kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+    if isinstance(kind, (list, tuple)):
+        assert value in kind, f"{where}={value!r} is not one of {kind}"
+    elif kind == "BOOLEAN":
+        assert isinstance(value, bool), f"{where}={value!r} is not a boolean"
+    elif kind in ("INT", "FLOAT"):
+        assert isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), where
+        assert kind == "FLOAT" or value == int(value), f"{where}={value!r} is not whole"
+        assert options.get("min", -math.inf) <= value <= options.get("max", math.inf), f"{where}={value!r} is out of range {options}"
+    elif kind == "STRING":
+        assert isinstance(value, str) and value, where
+    else:  # a link: [source id, output slot]
+        assert isinstance(value, list) and len(value) == 2, f"{where} should be a link, got {value!r}"
+
+
+def _validate(prompt: dict, core_definitions: dict) -> None:
+    """Every node's required inputs are given and valid per its definition; every link reaches an output
+    of the type the input takes."""
+    outputs = {}
+    for node_id, node in prompt.items():
+        cls = NODE_CLASS_MAPPINGS.get(node["class_type"])
+        outputs[node_id] = cls.RETURN_TYPES if cls else None
+    for node_id, node in prompt.items():
+        cls = NODE_CLASS_MAPPINGS.get(node["class_type"])
+        if cls is not None:
+            inputs = cls.INPUT_TYPES()
+        elif node["class_type"] in core_definitions:
+            inputs = core_definitions[node["class_type"]]["input"]
+        else:
+            assert node["class_type"] == LORA
+            assert set(node["inputs"]) == {"model", "lora_name", "strength_model"}
+            continue
+        specs = {**inputs.get("required", {}), **inputs.get("optional", {})}
+        assert set(inputs.get("required", {})) <= set(node["inputs"]), f"{node_id} {node['class_type']} lacks inputs"
+        assert set(node["inputs"]) <= set(specs), f"{node_id} {node['class_type']} has unknown inputs"
+        for name, value in node["inputs"].items():
+            _check_value(f"{node['class_type']}.{name}", specs[name], value)
+            if isinstance(value, list):
+                assert value[0] in prompt, f"{node_id}.{name} links to a missing node {value[0]}"
+                produced = outputs[value[0]]
+                if produced is not None:
+                    assert produced[value[1]] == specs[name][0], f"{node_id}.{name} gets {produced[value[1]]}"
+
+
+def test_the_same_seed_draws_the_same_prompts_and_another_seed_others():
+    first = [plan_prompt(index, 7, CHECKPOINTS) for index in range(20)]
+    assert first == [plan_prompt(index, 7, CHECKPOINTS) for index in range(20)]
+    assert [p.api_prompt() for p in first] == [plan_prompt(index, 7, CHECKPOINTS).api_prompt() for index in range(20)]
+    other = [plan_prompt(index, 8, CHECKPOINTS) for index in range(20)]
+    assert [p.describe() for p in first] != [p.describe() for p in other]
+    assert len({p.describe() for p in first}) == 20
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_prompts_are_valid_api_prompts_for_the_real_node_definitions(seed, core_definitions):
+    for index in range(40):
+        planned = plan_prompt(index, seed, CHECKPOINTS)
+        prompt = planned.api_prompt()
+        _validate(prompt, core_definitions)
+        chain = [link.class_type for link in planned.model_chain]
+        assert PROFILER not in chain[:-1], "the Profiler goes last on the MODEL path"
+        assert chain.count(LORA) <= 1 and len(chain) == len(set(chain))
+        assert planned.width % 32 == 0 and planned.height % 32 == 0 and 64 <= min(planned.width, planned.height)
+        assert prompt["sampler"]["inputs"]["model"] == ([f"model{len(chain) - 1}", 0] if chain else ["ckpt", 0])
+        assert (REPORT in prompt.get("report", {}).get("class_type", "")) == planned.report
+        for link in planned.model_chain:
+            if link.class_type == "SDOptCompile":
+                assert link.inputs["backend"] != "inductor" or link.inputs["mode"] == "trace"
+
+
+def test_any_five_consecutive_prompts_use_every_node_and_the_lora_comes_and_goes():
+    assert GROUPS == 5
+    for start in (0, 3, 11):
+        batch = [plan_prompt(index, 0, CHECKPOINTS) for index in range(start, start + GROUPS)]
+        assert set().union(*(p.nodes() for p in batch)) >= set(SOAK_NODES)
+    many = [plan_prompt(index, 0, CHECKPOINTS) for index in range(40)]
+    with_lora = [any(link.class_type == LORA for link in p.model_chain) for p in many]
+    assert any(with_lora) and not all(with_lora)
+    no_lora = [plan_prompt(index, 0, {"sdopt-mini-sd15.safetensors": None}) for index in range(20)]
+    assert not any(link.class_type == LORA for p in no_lora for link in p.model_chain)
+
+
+def test_the_probe_prompt_is_stock_and_fixed(core_definitions):
+    probe = probe_prompt("sdopt-mini-sd15.safetensors")
+    _validate(probe, core_definitions)
+    assert probe == probe_prompt("sdopt-mini-sd15.safetensors")
+    assert not any(node["class_type"].startswith("SDOpt") for node in probe.values())
+
+
+def test_drift_is_the_growth_over_the_warm_reading():
+    assert drift(1000, 1050) == pytest.approx(0.05)
+    assert drift(1000, 900) == pytest.approx(-0.1)
+    with pytest.raises(ValueError):
+        drift(0, 10)
+
+
+def test_the_verdict_lists_each_failed_prompt_and_too_much_drift():
+    ok = PromptOutcome(0, "chain a", SUCCESS, 1.0)
+    failed = PromptOutcome(1, "chain b", "error", 2.0, "node 3 SDOptCompile: RuntimeError: boom\nTraceback ...")
+    assert problems([ok], 0.05, 0.05) == []
+    assert problems([ok], -0.2, 0.05) == []
+    assert problems([ok], 0.0501, 0.05) == ["RSS drift +5.0% is above the 5.0% allowed"]
+    assert problems([ok, failed], 0.0, 0.05) == ["prompt 1 error: node 3 SDOptCompile: RuntimeError: boom [chain b]"]
+    assert problems([ok], None, 0.05) == ["no RSS reading: the soak stopped before the end reading"]
+    result = SoakResult(seed=3, prompts=2, warmup=1, outcomes=[ok, failed], rss_warm_bytes=2**30, rss_end_bytes=2**30 + 2**20)
+    assert result.failed == 1 and result.drift == pytest.approx(2**-10)
+    data = result.to_dict()
+    assert data["passed"] is False and data["failed"] == 1 and data["outcomes"][1]["error"].startswith("node 3")
+    assert "1 failed" in result.summary() and "FAILED: prompt 1 error" in result.summary()
+    assert SoakResult(seed=3, prompts=1, warmup=0, outcomes=[ok], rss_warm_bytes=100, rss_end_bytes=100).summary().endswith("passed")
+
+
+def test_server_errors_are_read_into_one_message():
+    entry = {"status": {"status_str": "error", "completed": False, "messages": [
+        ["execution_start", {"prompt_id": "x"}],
+        ["execution_error", {"node_id": "model2", "node_type": "SDOptStepCache", "exception_type": "ValueError",
+                             "exception_message": "bad branch\n", "traceback": ["  File a.py\n", "ValueError\n"]}]]}}
+    assert history_error(entry) == "node model2 SDOptStepCache: ValueError: bad branch\n  File a.py\nValueError"
+    body = json.dumps({"error": {"message": "Prompt outputs failed validation"}, "node_errors": {
+        "vae0": {"class_type": "SDOptTiledVAE", "errors": [{"message": "Value smaller than min", "details": "budget_mb: -1"}]}}})
+    assert _rejection(body) == "Prompt outputs failed validation; node vae0 SDOptTiledVAE: Value smaller than min: budget_mb: -1"
+    assert _rejection("<html>500</html>") == "<html>500</html>"
+
+
+def test_cli_options_and_a_missing_comfyui(capsys, tmp_path, monkeypatch):
+    args = build_parser().parse_args(["soak", "--prompts", "5", "--seed", "3", "--max-drift", "2.5", "--comfyui", str(tmp_path)])
+    assert (args.prompts, args.seed, args.max_drift, args.warmup, args.model, args.port) == (5, 3, 2.5, 5, None, None)
+    assert main(["soak", "--comfyui", str(tmp_path), "--prompts", "1"]) == 2
+    assert f"ComfyUI not found at {tmp_path}" in capsys.readouterr().err
