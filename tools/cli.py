@@ -1,4 +1,4 @@
-"""Command line: ``python -m sdopt {make-model,run,serve,bench,cache,doctor} ...``.
+"""Command line: ``python -m sdopt {make-model,run,serve,soak,bench,cache,doctor} ...``.
 
 Problems with the user's input are raised as ``UserError`` and printed as one line
 (``sdopt: error: ...``) with exit status 2, never as a traceback.
@@ -244,6 +244,25 @@ def _serve(args: argparse.Namespace) -> None:
     run_server(args.comfyui, args.models, args.port)
 
 
+def _soak(args: argparse.Namespace) -> int:
+    from .soak import soak, write_json
+
+    result = soak(args.comfyui, args.models, prompts=args.prompts, seed=args.seed, port=args.port, max_drift=args.max_drift / 100,
+                  warmup=args.warmup, model_names=tuple(args.model or ["mini"]), prompt_timeout=args.prompt_timeout)
+    print(result.summary())
+    if args.json:
+        write_json(result, args.json, _soak_command(args))
+        print(f"wrote {args.json}")
+    return 1 if result.problems() else 0
+
+
+def _soak_command(args: argparse.Namespace) -> str:
+    """The command that repeats this soak, every option spelled out (the server's port aside)."""
+    models = "".join(f" --model {name}" for name in args.model or ["mini"])
+    return (f"python -m sdopt soak --prompts {args.prompts} --seed {args.seed} --warmup {args.warmup} --max-drift {args.max_drift:g}{models}"
+            f" --comfyui {args.comfyui}" + (f" --models {args.models}" if args.models else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sdopt", description="sdopt: generated SD1.5 checkpoints, headless profiled ComfyUI runs, benchmarks."
@@ -286,6 +305,22 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--models", type=Path, required=True, help="folder whose checkpoints/ ComfyUI should offer")
     serve.add_argument("--port", type=int, default=8188)
     serve.set_defaults(handler=_serve)
+
+    soak = commands.add_parser("soak", help=(
+        "start ComfyUI with sdopt and queue random chains of every sdopt node over HTTP: failed prompts and the server's "
+        "RSS drift; exit status 1 on any failure or too much drift"))
+    soak.add_argument("--prompts", type=int, default=100)
+    soak.add_argument("--seed", type=int, default=0, help="draws every prompt's chain, size, LoRA and sampler seed (a rerun repeats them)")
+    soak.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    soak.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder); a missing mini is generated there")
+    soak.add_argument("--model", action="append", choices=[name for name in _COMFYUI_MODELS if "full" not in name], help=(
+        "the generated model(s) the prompts draw from (repeatable; default mini)"))
+    soak.add_argument("--port", type=int, help="default: a free port")
+    soak.add_argument("--max-drift", type=float, default=5.0, metavar="PERCENT", help="RSS growth allowed from the warm reading to the end one")
+    soak.add_argument("--warmup", type=int, default=5, help="prompts before the warm RSS reading")
+    soak.add_argument("--prompt-timeout", type=float, default=600.0, metavar="SECONDS", help="a prompt not ended by then counts as failed")
+    soak.add_argument("--json", type=Path, help="also write the result, every prompt's chain and error, as JSON")
+    soak.set_defaults(handler=_soak, model=None)
 
     bench = commands.add_parser("bench", help="micro-benchmarks")
     bench_kinds = bench.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,517 @@
+"""``python -m sdopt soak``: many random prompts through a real ComfyUI server, counting failures and memory drift.
+
+The command starts ComfyUI itself (``serve``: the pack linked into ``custom_nodes``, the checkpoints
+offered, a free localhost port, temporary output, user and database locations), then queues
+``--prompts`` prompts over HTTP (``POST /prompt``, then ``/history/<id>`` until the prompt ends),
+one at a time. Each prompt is a random chain drawn from ``--seed``:
+
+- the MODEL path: sdopt Precision, Attention, Low Memory, Offload, Compile, CUDA Graph and Step Cache,
+  each in or out, in random order, with random settings, ComfyUI's LoraLoaderModelOnly (a generated
+  rank-4 LoRA) at a random place in it or absent, and sdopt Profiler last;
+- the VAE path: sdopt VAE Precision, VAE Attention and Tiled VAE, in or out, in random order;
+- sdopt Profile Report on the decoded image, or not;
+- a random size (64 to 128 px a side, multiples of 32), 2 steps, a random sampler, scheduler, CFG and seed.
+
+Any 5 consecutive prompts use every node listed. sdopt Doctor is left out: it runs the whole
+``doctor`` check list, not a patch. Settings are those that run on any device; Compile uses the
+``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU,
+not the minutes of an inductor build, at the cost of not soaking inductor's generated code; VAE
+Precision is never asked for bf16 explicitly (see ``_vae_precision``). On 2 shared CPU cores a prompt of
+the SD1.5 mini takes about 5 to 25 s, 100 prompts under 30 minutes.
+
+The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
+node) queued once the warm-up prompts are done and again after the last prompt, so both readings
+see the same cached state; drift = (end - warm) / warm. The command exits 1 when a prompt failed
+(an error in its history, rejected by the server, or no end within ``--prompt-timeout``) or the
+drift passes ``--max-drift``. The server is stopped, and the link and the temporary folders
+removed, whatever happens.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError
+from ..families import resolve_model
+from .progress import progress_bar
+
+DEFAULT_PROMPTS = 100
+DEFAULT_WARMUP = 5
+DEFAULT_MAX_DRIFT = 0.05
+PROMPT_TIMEOUT_S = 600.0
+SIDES = (64, 96, 128)
+STEPS = (2,)
+SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m")
+SCHEDULERS = ("normal", "karras")
+# Any this many consecutive prompts force every node in at least once (node j into prompts k with k % GROUPS == j % GROUPS).
+GROUPS = 5
+PROBABILITY = 0.4  # of a node not forced in
+LORA = "LoraLoaderModelOnly"
+PROFILER = "SDOptProfiler"
+REPORT = "SDOptProfileReport"
+CLIENT_ID = "sdopt-soak"
+SUCCESS = "success"
+
+
+def _precision(rng: random.Random) -> dict:
+    return {"weight_dtype": rng.choice(("auto", "default", "fp32", "bf16", "fp16", "fp8_e4m3fn")),
+            "compute_dtype": rng.choice(("default", "fp32", "bf16")), "tf32": rng.random() < 0.5,
+            "channels_last": rng.random() < 0.5}
+
+
+def _attention(rng: random.Random) -> dict:
+    return {"backend": rng.choice(("auto", "low_memory", "sdpa", "sdpa_fused", "sliced", "sub_quadratic", "naive", "xformers")),
+            "on_unavailable": "fallback", "slice_size": rng.choice((0, 0, 256)), "memory_budget_mb": rng.choice((1, 32))}
+
+
+def _low_memory(rng: random.Random) -> dict:
+    return {"budget_mb": rng.choice((1, 16, 256)), "sequential_cfg": rng.random() < 0.5, "chunk_ops": rng.random() < 0.5}
+
+
+def _offload(rng: random.Random) -> dict:
+    return {"mode": rng.choice(("none", "budget", "sequential", "unload_after")), "budget_mb": rng.choice((0, 64, 1024)),
+            "on_unavailable": "fallback"}
+
+
+def _compile(rng: random.Random) -> dict:
+    return {"mode": rng.choice(("compile", "compile", "trace")), "backend": rng.choice(("aot_eager", "eager")),
+            "compile_mode": "default", "dynamic": False, "fullgraph": False, "on_unavailable": "fallback"}
+
+
+def _cuda_graph(rng: random.Random) -> dict:
+    return {"max_graphs": rng.choice((1, 4)), "on_unavailable": "fallback"}
+
+
+def _step_cache(rng: random.Random) -> dict:
+    return {"mode": "deepcache", "interval": rng.choice((1, 2, 3)), "branch": rng.choice((0, 1)),
+            "start": rng.choice((0.0, 0.2)), "end": rng.choice((0.8, 1.0)), "on_unavailable": "fallback"}
+
+
+def _profiler(rng: random.Random) -> dict:
+    return {"label": rng.choice(("soak", "fast path"))}
+
+
+def _vae_precision(rng: random.Random) -> dict:
+    # No explicit bf16: on a CPU without bf16 convolutions one 64 px decode takes over a minute in it; auto
+    # still picks bf16 where it measured faster.
+    return {"dtype": rng.choice(("auto", "default", "fp32")), "nan_guard": rng.random() < 0.5}
+
+
+def _tiled_vae(rng: random.Random) -> dict:
+    tile = rng.choice((0, 64, 96))
+    return {"tile": tile, "overlap": rng.choice((0, 16)) if tile else 0, "only_when_needed": rng.random() < 0.5,
+            "budget_mb": rng.choice((0, 64))}
+
+
+# The sdopt nodes a soak prompt draws from, with their random settings; the Profiler goes last on the
+# MODEL path (where its tooltip says it belongs) and the Report on the decoded image.
+MODEL_NODES: dict[str, Callable[[random.Random], dict]] = {
+    "SDOptPrecision": _precision, "SDOptAttention": _attention, "SDOptLowMemory": _low_memory,
+    "SDOptOffload": _offload, "SDOptCompile": _compile, "SDOptCUDAGraph": _cuda_graph, "SDOptStepCache": _step_cache,
+}
+VAE_NODES: dict[str, Callable[[random.Random], dict]] = {
+    "SDOptVAEPrecision": _vae_precision, "SDOptVAEAttention": _attention, "SDOptTiledVAE": _tiled_vae,
+}
+SOAK_NODES = (*MODEL_NODES, PROFILER, *VAE_NODES, REPORT)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One node of a chain: its class and its widget inputs."""
+
+    class_type: str
+    inputs: dict
+
+    def describe(self) -> str:
+        settings = ", ".join(f"{k}={v}" for k, v in self.inputs.items() if k not in ("on_unavailable", "filename_prefix"))
+        return f"{self.class_type.removeprefix('SDOpt')}({settings})"
+
+
+@dataclass(frozen=True)
+class SoakPrompt:
+    """One prompt of a soak: the checkpoint, the chains, the image and sampler settings."""
+
+    index: int
+    checkpoint: str
+    width: int
+    height: int
+    steps: int
+    seed: int
+    cfg: float
+    sampler: str
+    scheduler: str
+    model_chain: tuple[Link, ...]
+    vae_chain: tuple[Link, ...]
+    report: bool
+
+    def nodes(self) -> set[str]:
+        return {link.class_type for link in (*self.model_chain, *self.vae_chain)} | ({REPORT} if self.report else set())
+
+    def describe(self) -> str:
+        model = " > ".join(link.describe() for link in self.model_chain) or "stock"
+        vae = " > ".join(link.describe() for link in self.vae_chain) or "stock"
+        return (f"{self.checkpoint} {self.width}x{self.height} {self.steps} steps {self.sampler}/{self.scheduler} "
+                f"cfg {self.cfg} seed {self.seed} | MODEL: {model} | VAE: {vae}" + (" | ProfileReport" if self.report else ""))
+
+    def api_prompt(self) -> dict:
+        """The prompt in ComfyUI's API format."""
+        prompt = {
+            "ckpt": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": self.checkpoint}},
+            "positive": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse on a cliff at sunset", "clip": ["ckpt", 1]}},
+            "negative": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry, watermark", "clip": ["ckpt", 1]}},
+            "latent": {"class_type": "EmptyLatentImage", "inputs": {"width": self.width, "height": self.height, "batch_size": 1}},
+        }
+        model = ["ckpt", 0]
+        for position, link in enumerate(self.model_chain):
+            node_id = f"model{position}"
+            prompt[node_id] = {"class_type": link.class_type, "inputs": {**link.inputs, "model": model}}
+            model = [node_id, 0]
+        vae = ["ckpt", 2]
+        for position, link in enumerate(self.vae_chain):
+            node_id = f"vae{position}"
+            prompt[node_id] = {"class_type": link.class_type, "inputs": {**link.inputs, "vae": vae}}
+            vae = [node_id, 0]
+        prompt["sampler"] = {"class_type": "KSampler", "inputs": {
+            "seed": self.seed, "steps": self.steps, "cfg": self.cfg, "sampler_name": self.sampler, "scheduler": self.scheduler,
+            "denoise": 1.0, "model": model, "positive": ["positive", 0], "negative": ["negative", 0], "latent_image": ["latent", 0]}}
+        prompt["decode"] = {"class_type": "VAEDecode", "inputs": {"samples": ["sampler", 0], "vae": vae}}
+        prompt["save"] = {"class_type": "SaveImage", "inputs": {"images": ["decode", 0], "filename_prefix": f"sdopt-soak/{self.index:04d}"}}
+        if self.report:
+            prompt["report"] = {"class_type": REPORT, "inputs": {"filename_prefix": "sdopt-soak/report", "images": ["decode", 0]}}
+        return prompt
+
+
+def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None]) -> SoakPrompt:
+    """Prompt ``index`` of the soak with ``seed``; ``checkpoints`` maps each checkpoint file to its
+    LoRA file (None: no LoRA). The same arguments always give the same prompt."""
+    rng = random.Random(f"sdopt-soak {seed} {index}")
+    forced = {name for position, name in enumerate(SOAK_NODES) if position % GROUPS == index % GROUPS}
+
+    def drawn(names) -> list[str]:
+        chosen = [name for name in names if name in forced or rng.random() < PROBABILITY]
+        rng.shuffle(chosen)
+        return chosen
+
+    checkpoint = rng.choice(sorted(checkpoints))
+    model_chain = [Link(name, MODEL_NODES[name](rng)) for name in drawn(MODEL_NODES)]
+    lora = checkpoints[checkpoint]
+    if lora and rng.random() < 0.5:
+        model_chain.insert(rng.randint(0, len(model_chain)),
+                           Link(LORA, {"lora_name": lora, "strength_model": rng.choice((0.5, 1.0))}))
+    if PROFILER in forced or rng.random() < PROBABILITY:
+        model_chain.append(Link(PROFILER, _profiler(rng)))
+    vae_chain = [Link(name, VAE_NODES[name](rng)) for name in drawn(VAE_NODES)]
+    report = REPORT in forced or rng.random() < PROBABILITY
+    return SoakPrompt(index=index, checkpoint=checkpoint, width=rng.choice(SIDES), height=rng.choice(SIDES),
+                      steps=rng.choice(STEPS), seed=rng.randrange(2**32), cfg=rng.choice((1.0, 4.0, 7.0)),
+                      sampler=rng.choice(SAMPLERS), scheduler=rng.choice(SCHEDULERS), model_chain=tuple(model_chain),
+                      vae_chain=tuple(vae_chain), report=report)
+
+
+def probe_prompt(checkpoint: str) -> dict:
+    """The fixed prompt before each RSS reading: the checkpoint, no sdopt node, 64 px, 2 steps."""
+    return SoakPrompt(index=0, checkpoint=checkpoint, width=64, height=64, steps=2, seed=0, cfg=7.0, sampler="euler",
+                      scheduler="normal", model_chain=(), vae_chain=(), report=False).api_prompt()
+
+
+# --- the verdict ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptOutcome:
+    """How one prompt ended: ``status`` is success, error (its history says so), rejected (the server
+    refused the prompt) or timeout."""
+
+    index: int
+    chain: str
+    status: str
+    seconds: float
+    error: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status != SUCCESS
+
+
+def drift(warm_bytes: int, end_bytes: int) -> float:
+    """The RSS change from the warm reading to the end one, as a fraction of the warm one."""
+    if warm_bytes <= 0:
+        raise ValueError(f"warm RSS must be positive, got {warm_bytes}")
+    return (end_bytes - warm_bytes) / warm_bytes
+
+
+def problems(outcomes: list[PromptOutcome], memory_drift: float | None, max_drift: float) -> list[str]:
+    """What fails the soak, one line each; empty when it passed."""
+    found = [f"prompt {o.index} {o.status}: {o.error.splitlines()[0] if o.error else ''} [{o.chain}]".replace(":  [", " [")
+             for o in outcomes if o.failed]
+    if memory_drift is None:
+        found.append("no RSS reading: the soak stopped before the end reading")
+    elif memory_drift > max_drift:
+        found.append(f"RSS drift {memory_drift:+.1%} is above the {max_drift:.1%} allowed")
+    return found
+
+
+@dataclass
+class SoakResult:
+    seed: int
+    prompts: int
+    warmup: int
+    outcomes: list[PromptOutcome] = field(default_factory=list)
+    rss_warm_bytes: int | None = None
+    rss_end_bytes: int | None = None
+    max_drift: float = DEFAULT_MAX_DRIFT
+    seconds: float = 0.0
+    device: str = ""
+
+    @property
+    def failed(self) -> int:
+        return sum(o.failed for o in self.outcomes)
+
+    @property
+    def drift(self) -> float | None:
+        if self.rss_warm_bytes is None or self.rss_end_bytes is None:
+            return None
+        return drift(self.rss_warm_bytes, self.rss_end_bytes)
+
+    def problems(self) -> list[str]:
+        return problems(self.outcomes, self.drift, self.max_drift)
+
+    def summary(self) -> str:
+        mib = lambda value: "?" if value is None else f"{value / 2**20:,.0f} MiB"  # noqa: E731
+        memory_drift = "?" if self.drift is None else f"{self.drift:+.2%}"
+        lines = [f"soak: {len(self.outcomes)}/{self.prompts} prompts run, {self.failed} failed, RSS {mib(self.rss_warm_bytes)} after "
+                 f"{self.warmup} warm-up prompts, {mib(self.rss_end_bytes)} at the end (drift {memory_drift}, at most "
+                 f"{self.max_drift:.1%} allowed), {self.seconds / 60:.1f} min, seed {self.seed}{f', {self.device}' if self.device else ''}"]
+        found = self.problems()
+        lines += [f"FAILED: {line}" for line in found] or ["passed"]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"seed": self.seed, "prompts": self.prompts, "warmup": self.warmup, "run": len(self.outcomes), "failed": self.failed,
+                "rss_warm_bytes": self.rss_warm_bytes, "rss_end_bytes": self.rss_end_bytes, "drift": self.drift,
+                "max_drift": self.max_drift, "minutes": self.seconds / 60, "device": self.device, "passed": not self.problems(),
+                "problems": self.problems(), "outcomes": [asdict(o) for o in self.outcomes]}
+
+
+# --- the server ----------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when this process dies, even killed, instead of running on."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rss_bytes(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+class Client:
+    """ComfyUI's HTTP API, the calls a soak makes."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return json.load(response)
+
+    def queue(self, prompt: dict) -> str:
+        """The prompt id; a refused prompt raises ``Rejected`` with the server's reasons."""
+        body = json.dumps({"prompt": prompt, "client_id": CLIENT_ID}).encode()
+        request = urllib.request.Request(self.url + "/prompt", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.load(response)["prompt_id"]
+        except urllib.error.HTTPError as error:
+            raise Rejected(_rejection(error.read().decode(errors="replace"))) from None
+
+    def wait(self, prompt_id: str, timeout: float) -> dict | None:
+        """The prompt's history entry once it has ended; None after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry:  # ComfyUI files a prompt in its history when it ends, with an error or not
+                return entry
+            time.sleep(0.2)
+        return None
+
+
+class Rejected(Exception):
+    """The server refused a prompt (validation)."""
+
+
+def _rejection(body: str) -> str:
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return body.strip()[:500]
+    parts = [data.get("error", {}).get("message", "")] if isinstance(data.get("error"), dict) else [str(data.get("error", ""))]
+    for node_id, errors in (data.get("node_errors") or {}).items():
+        for error in errors.get("errors", []):
+            parts.append(f"node {node_id} {errors.get('class_type', '')}: {error.get('message', '')}: {error.get('details', '')}")
+    return "; ".join(filter(None, parts))
+
+
+def history_error(entry: dict) -> str:
+    """The error of a failed prompt's history entry: node, exception and its message, then the traceback."""
+    for kind, data in entry.get("status", {}).get("messages", []):
+        if kind == "execution_error":
+            where = f"node {data.get('node_id')} {data.get('node_type')}"
+            trace = "".join(data.get("traceback") or [])
+            return f"{where}: {data.get('exception_type')}: {data.get('exception_message', '').strip()}\n{trace}".rstrip()
+        if kind == "execution_interrupted":
+            return f"interrupted at node {data.get('node_id')} {data.get('node_type')}"
+    return "the history says the prompt failed, with no error message"
+
+
+def run_one(client: Client, prompt: dict, timeout: float) -> tuple[str, float, str]:
+    """(status, seconds, error) of one prompt run to its end."""
+    start = time.monotonic()
+    try:
+        prompt_id = client.queue(prompt)
+    except Rejected as error:
+        return "rejected", time.monotonic() - start, str(error)
+    entry = client.wait(prompt_id, timeout)
+    seconds = time.monotonic() - start
+    if entry is None:
+        return "timeout", seconds, f"no end within {timeout:.0f} s"
+    if entry["status"].get("status_str") != SUCCESS:
+        return "error", seconds, history_error(entry)
+    return SUCCESS, seconds, ""
+
+
+def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEFAULT_PROMPTS, seed: int = 0,
+         port: int | None = None, max_drift: float = DEFAULT_MAX_DRIFT, warmup: int = DEFAULT_WARMUP,
+         model_names: tuple[str, ...] = ("mini",), lora: bool = True, prompt_timeout: float = PROMPT_TIMEOUT_S,
+         log: Callable[[str], None] = print) -> SoakResult:
+    """Run the soak (see the module docstring); ``log`` gets one line per prompt."""
+    from .bench_unet import checkpoint_path
+    from .modelgen import write_lora
+    from .serve import LINK_NAME, _comfyui_root, install_pack, serve, stop, wait_ready
+
+    if prompts < 1:
+        raise UserError(f"--prompts {prompts}: run at least 1 prompt")
+    warmup = max(0, min(warmup, prompts - 1))  # the warm reading comes before the last prompt at the latest
+    if max_drift < 0:
+        raise UserError(f"--max-drift {max_drift}: give a fraction at or above 0, e.g. 0.05 for 5%")
+    root = _comfyui_root(comfyui)
+    models = Path(models) if models is not None else root / "models"
+    result = SoakResult(seed=seed, prompts=prompts, warmup=warmup, max_drift=max_drift)
+    link = root / "custom_nodes" / LINK_NAME
+    linked_here = not (link.is_symlink() or link.exists())
+    with tempfile.TemporaryDirectory(prefix="sdopt-soak-") as scratch:
+        scratch = Path(scratch)
+        checkpoints: dict[str, str | None] = {}
+        loras = scratch / "loras"
+        for name in model_names:
+            resolve_model(name)
+            path = checkpoint_path(name, models)
+            if path.parent.resolve() != (models / "checkpoints").resolve():
+                raise UserError(f"--model {name}: the checkpoint must be in {models / 'checkpoints'}, the folder ComfyUI is offered")
+            checkpoints[path.name] = write_lora(name, loras / f"sdopt-soak-{name}-lora.safetensors").path.name if lora else None
+        lora_config = scratch / "loras.yaml"
+        lora_config.write_text(f"sdopt_soak:\n  loras: {json.dumps(str(loras))}\n")
+        (scratch / "output").mkdir()
+        (scratch / "user").mkdir()
+        port = port or free_port()
+        args = ["--output-directory", str(scratch / "output"), "--user-directory", str(scratch / "user"),
+                "--input-directory", str(scratch / "input"), "--temp-directory", str(scratch),
+                "--database-url", "sqlite:///:memory:", "--extra-model-paths-config", str(lora_config)]
+        server_log = scratch / "server.log"
+        install_pack(root)
+        start = time.monotonic()
+        with server_log.open("w") as log_file:
+            process = serve(root, models, port, extra_args=args, config_dir=scratch, stdout=log_file, stderr=subprocess.STDOUT,
+                            env=_server_env(scratch), preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        try:
+            client = Client(f"http://127.0.0.1:{port}")
+            try:
+                wait_ready(client.url + f"/object_info/{REPORT}", process, timeout=300)
+            except RuntimeError as error:
+                raise UserError(f"{error}; the server's log ends:\n{_tail(server_log)}") from None
+            if REPORT not in client.get(f"/object_info/{REPORT}"):
+                raise UserError(f"the server runs but did not load sdopt; its log ends:\n{_tail(server_log)}")
+            result.device = _device(client)
+            log(f"soak: ComfyUI at {client.url} ({result.device}), {prompts} prompts, seed {seed}, RSS read after "
+                f"{warmup} warm-up prompts and at the end")
+            probe = probe_prompt(sorted(checkpoints)[0])
+            _run_prompts(client, process, result, checkpoints, probe, prompt_timeout, log)
+        finally:
+            result.seconds = time.monotonic() - start
+            stop(process)
+            if linked_here and link.is_symlink():
+                link.unlink()  # leave the ComfyUI tree as it was
+            if any(o.failed for o in result.outcomes):
+                log(f"soak: the server's log ends:\n{_tail(server_log)}")
+    return result
+
+
+def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict, probe: dict, timeout: float, log) -> None:
+    def read_rss(when: str) -> int:
+        status, seconds, error = run_one(client, probe, timeout)
+        if status != SUCCESS:
+            raise UserError(f"the probe prompt (no sdopt node) before the {when} RSS reading {status}: {error}")
+        return rss_bytes(process.pid)
+
+    with progress_bar(total=result.prompts, desc="soak", unit="prompt", disable=not sys.stderr.isatty()) as bar:
+        for index in range(result.prompts):
+            if index == result.warmup:
+                result.rss_warm_bytes = read_rss("warm")
+                log(f"soak: RSS {result.rss_warm_bytes / 2**20:,.0f} MiB after {index} warm-up prompts")
+            planned = plan_prompt(index, result.seed, checkpoints)
+            status, seconds, error = run_one(client, planned.api_prompt(), timeout)
+            outcome = PromptOutcome(index, planned.describe(), status, seconds, error)
+            result.outcomes.append(outcome)
+            bar.write(f"prompt {index + 1}/{result.prompts} {status} {seconds:.1f} s: {outcome.chain}"
+                      + (f"\n  {error}" if error else ""))
+            bar.update()
+            if process.poll() is not None:
+                log(f"soak: the server exited with status {process.returncode} after prompt {index + 1}")
+                return
+    result.rss_end_bytes = read_rss("end")
+
+
+def _server_env(scratch: Path) -> dict:
+    import os
+
+    # Compile's disk cache in the scratch folder: a soak neither reads nor grows the user's cache.
+    return {**os.environ, "SDOPT_CACHE_DIR": str(scratch / "compile-cache")}
+
+
+def _device(client: Client) -> str:
+    try:
+        devices = client.get("/system_stats").get("devices", [])
+    except (urllib.error.URLError, OSError, ValueError):
+        return ""
+    return ", ".join(device.get("name", "?") for device in devices)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def write_json(result: SoakResult, path: Path, command: str) -> None:
+    path.write_text(json.dumps({"command": command, **result.to_dict()}, indent=2))
