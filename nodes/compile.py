@@ -99,7 +99,7 @@ class SDOptCompile:
         glue.check_inputs(SDOptCompile, mode=mode, backend=backend, compile_mode=compile_mode, dynamic=dynamic, fullgraph=fullgraph, on_unavailable=on_unavailable)
         config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
-        m, path_note = glue.fast_path_clone(model, NODE, requested, unavailable(config, model.load_device), on_unavailable, compile_config=config)
+        m, path_note = glue.fast_path_clone(model, NODE, requested, unavailable(config, model.load_device), on_unavailable, glue.COMPILE, config)
         if path_note is not None:
             routed, calls = route_attention(m, config)
             glue.fast_path_of(m).notes[NODE] = lambda: routed if calls.get("eager") else ""

@@ -36,7 +36,7 @@ class SDOptCUDAGraph:
         config = GraphConfig(max_graphs=max_graphs)
         requested = f"max_graphs={max_graphs}, on_unavailable={on_unavailable}"
         problem = unavailable(config, torch.device(model.load_device))
-        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, graph_config=config)
+        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, glue.GRAPH, config)
         if path_note is not None:
             note = "; ".join(filter(None, [path_note, "captured on the first step of each input signature"]))
             glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", note)

@@ -521,7 +521,7 @@ def model_family(model) -> ModelFamily:
     return ModelFamily(family_of_config_class(config_class), config_class.__name__)
 
 
-# --- the fast path: compiled UNet inside, CUDA graph outside -----------------------------------------
+# --- the fast path: one chain of UNet-forward techniques (step cache, compile, CUDA graph) -----------
 
 FAST_PATH_KEY = "sdopt.fast_path"
 _KEPT_OPTIONS = ("optimized_attention_override",)
@@ -633,26 +633,58 @@ def _why_eager(executor, control, transformer_options, kwargs: dict) -> str | No
     return None
 
 
+# The fast path's chain, innermost first. The step cache picks which forward a call runs (the whole
+# UNet or its shallow branch); compile then compiles that forward itself (so it comes first of the
+# wrappers), and a CUDA graph captures what compile made, so a graph replays compiled kernels and
+# never the other way round. The order of the nodes in a workflow does not matter.
+STEP_CACHE, COMPILE, GRAPH = "step_cache", "compile", "graph"
+CHAIN = (STEP_CACHE, COMPILE, GRAPH)
+
+
+def _compile_transform(fast_path: "FastPath", unet, fn, call, config):
+    """(forward, what holds its stats, sdopt's compile cache entry or None): ``call`` compiled."""
+    from ..optim.compile import ArtifactCache, compile_forward, nchw_conv_weight_bytes
+
+    compiled = compile_forward(unet, call, config)
+    fast_path.nchw_conv_bytes = nchw_conv_weight_bytes(unet, config)
+    if config.mode == "trace":
+        return compiled, compiled, None
+    cache = ArtifactCache.for_module(unet, config, fast_path.cache_root)
+    cache.load()
+    return cache.wrap(compiled), compiled, cache  # every call, recompiles too, with torch's compiler caches in sdopt's entry
+
+
+def _graph_transform(fast_path: "FastPath", unet, fn, call, config):
+    """(forward, what holds its stats, None): ``fn`` captured per input signature."""
+    from ..optim.cuda_graph import GraphedFunction, module_weights
+
+    graphed = GraphedFunction(fn, module_weights(unet), config)
+    return graphed, graphed, None
+
+
+_WRAPPERS = {COMPILE: _compile_transform, GRAPH: _graph_transform}
+
+
 class FastPath:
     """The DIFFUSION_MODEL wrapper of SDOptCompile, SDOptCUDAGraph and SDOptStepCache: one per patched clone.
 
     The diffusion model is called with its tensor inputs only (those ``family``'s call names:
-    SDXL's ``y`` too), through ``compile_config`` (when set) inside a ``GraphedFunction`` (when
-    ``graph_config`` is set), so the order of the nodes does not matter. With ``step_cache_config``
-    each call runs either the whole UNet (keeping its deep features) or its shallow branch on kept
-    features, as the step cache's schedule says; each of the two is compiled and captured on its own.
-    Its state (compiled code, graphs) is shared by clones made downstream (e.g. by a LoRA loader); the
-    weight identity check makes those use their own weights, and the step cache starts afresh with
-    every sampling run.
+    SDXL's ``y`` too), through ``CHAIN``: the techniques in ``configs`` (keyed by their place in the
+    chain), innermost first. With a step cache each call runs either the whole UNet (keeping its
+    deep features) or its shallow branch on kept features, as the step cache's schedule says; each
+    of the two is compiled and captured on its own. Its state (compiled code, graphs) is shared by
+    clones made downstream (e.g. by a LoRA loader); the weight identity check makes those use their
+    own weights, and the step cache starts afresh with every sampling run.
     """
 
-    def __init__(self, compile_config, graph_config, family: ModelFamily, cache_root=None, step_cache_config=None):
+    def __init__(self, configs: dict, family: ModelFamily, cache_root=None):
         from ..optim.step_cache import CacheSchedule
 
-        self.compile_config = compile_config
-        self.graph_config = graph_config
-        self.step_cache_config = step_cache_config
-        self.schedule = CacheSchedule(step_cache_config) if step_cache_config else None
+        unknown = set(configs) - set(CHAIN)
+        if unknown:
+            raise ValueError(f"not in the fast path's chain {CHAIN}: {sorted(unknown)}")
+        self.configs = {name: configs[name] for name in CHAIN if configs.get(name) is not None}
+        self.schedule = CacheSchedule(self.step_cache_config) if self.step_cache_config else None
         self.family = family
         self.cache_root = cache_root
         self.runners: dict[tuple, tuple] = {}
@@ -662,25 +694,21 @@ class FastPath:
         self.requested: dict[str, str] = {}
         self.notes: dict[str, Callable[[], str]] = {}  # per node: what else its record says after a run
 
-    def with_configs(self, compile_config=..., graph_config=..., step_cache_config=...) -> "FastPath":
-        """A new fast path (fresh compiled code, graphs and step cache) with one config replaced."""
-        new = FastPath(
-            self.compile_config if compile_config is ... else compile_config,
-            self.graph_config if graph_config is ... else graph_config,
-            self.family,
-            self.cache_root,
-            self.step_cache_config if step_cache_config is ... else step_cache_config,
-        )
+    compile_config = property(lambda self: self.configs.get(COMPILE))
+    graph_config = property(lambda self: self.configs.get(GRAPH))
+    step_cache_config = property(lambda self: self.configs.get(STEP_CACHE))
+
+    def with_config(self, name: str, config) -> "FastPath":
+        """A new fast path (fresh compiled code, graphs and step cache) with ``name``'s config replaced."""
+        new = FastPath({**self.configs, name: config}, self.family, self.cache_root)
         new.requested = dict(self.requested)
         new.notes = dict(self.notes)
         return new
 
     def _runner(self, unet, options: dict, kind: str = PLAIN_STEP):
-        """(fn, compiled, graphed, cache) of one kind of call: the plain forward, or the step cache's
-        full or shallow one; each kind compiles and captures its own code."""
-        from ..optim.compile import ArtifactCache, compile_forward, nchw_conv_weight_bytes
-        from ..optim.cuda_graph import GraphedFunction, module_weights
-
+        """(fn, {chain name: what holds its stats}, compile cache entry or None) of one kind of call:
+        the plain forward, or the step cache's full or shallow one; each kind compiles and captures
+        its own code."""
         key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS), kind)
         if key in self.runners and self.runners[key][0] is unet:
             return self.runners[key][1:]
@@ -689,22 +717,13 @@ class FastPath:
         else:
             forward = _cached_full_forward if kind == FULL_STEP else _cached_shallow_forward
             call = functools.partial(forward, options, self.step_cache_config.branch)
-        compiled = cache = None
-        fn = functools.partial(call, unet)
-        if self.compile_config is not None:
-            compiled = compile_forward(unet, call, self.compile_config)
-            fn = compiled
-            self.nchw_conv_bytes = nchw_conv_weight_bytes(unet, self.compile_config)
-            if self.compile_config.mode != "trace":
-                cache = ArtifactCache.for_module(unet, self.compile_config, self.cache_root)
-                cache.load()
-                fn = cache.wrap(compiled)  # every call, recompiles too, with torch's compiler caches in sdopt's entry
-        graphed = None
-        if self.graph_config is not None:
-            graphed = GraphedFunction(fn, module_weights(unet), self.graph_config)
-            fn = graphed
-        self.runners[key] = (unet, fn, compiled, graphed, cache)
-        return fn, compiled, graphed, cache
+        fn, parts, cache = functools.partial(call, unet), {}, None
+        for name, config in self.configs.items():
+            if name in _WRAPPERS:
+                fn, parts[name], entry = _WRAPPERS[name](self, unet, fn, call, config)
+                cache = entry or cache
+        self.runners[key] = (unet, fn, parts, cache)
+        return fn, parts, cache
 
     def __call__(self, executor, *args, **kwargs):
         bound = _bind(self.family.call, args, kwargs)
@@ -729,11 +748,11 @@ class FastPath:
         return output
 
     def _run(self, unet, options: dict, kind: str, tensors: tuple):
-        fn, compiled, graphed, cache = self._runner(unet, options, kind)
-        before = _warmup_counters(compiled, graphed)
+        fn, parts, cache = self._runner(unet, options, kind)
+        before = _warmup_counters(parts)
         with _malloc_graph_paused():
             output = fn(*tensors)
-        compilations, compile_s, captures, capture_s = (now - then for now, then in zip(_warmup_counters(compiled, graphed), before))
+        compilations, compile_s, captures, capture_s = (now - then for now, then in zip(_warmup_counters(parts), before))
         if cache is not None and compilations:
             self.cache_saved = cache.save()
         run = active_run()
@@ -746,8 +765,9 @@ class FastPath:
         return output
 
     def stats(self) -> tuple[list, list]:
-        runners = [entry[2:] for entry in self.runners.values()]
-        return [c.stats for c, _, _ in runners if c], [g.stats for _, g, _ in runners if g]
+        """(compile stats, graph stats), one per runner that has them."""
+        parts = [entry[2] for entry in self.runners.values()]
+        return [p[COMPILE].stats for p in parts if COMPILE in p], [p[GRAPH].stats for p in parts if GRAPH in p]
 
 
 def _some_reasons(counts: dict[str, int]) -> str:
@@ -755,9 +775,10 @@ def _some_reasons(counts: dict[str, int]) -> str:
     return ", ".join(f"{reason} ({n}x)" for reason, n in counts.items())
 
 
-def _warmup_counters(compiled, graphed) -> tuple[int, float, int, float]:
+def _warmup_counters(parts: dict) -> tuple[int, float, int, float]:
     """(compilations, compile seconds, captures, capture seconds) of a runner so far: a call that
     raises them is a warm-up step for the profiler."""
+    compiled, graphed = parts.get(COMPILE), parts.get(GRAPH)
     compiles = (compiled.stats.compilations, compiled.stats.compile_seconds) if compiled else (0, 0.0)
     return compiles + ((graphed.stats.captures, graphed.stats.capture_seconds) if graphed else (0, 0.0))
 
@@ -839,9 +860,9 @@ def install_fast_path(model, fast_path: FastPath) -> None:
     set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "SAMPLER_SAMPLE": report_after_sampling})
 
 
-def fast_path_clone(model, node: str, requested: str, problem: Unavailable | None, on_unavailable: str, **configs):
+def fast_path_clone(model, node: str, requested: str, problem: Unavailable | None, on_unavailable: str, name: str, config):
     """(clone, note) for SDOptCompile, SDOptCUDAGraph and SDOptStepCache: the clone's fast path gets
-    ``configs`` (``compile_config=``, ``graph_config=`` or ``step_cache_config=``). Where ``problem``
+    ``config`` at ``name``'s place in ``CHAIN`` (the rest of the chain as the input model had it). Where ``problem``
     says the technique cannot run: ``fall_back_or_raise``, then the clone as it is, recorded as
     eager, and a None note."""
     unavailable = fall_back_or_raise(on_unavailable, problem, "run eager")
@@ -850,8 +871,7 @@ def fast_path_clone(model, node: str, requested: str, problem: Unavailable | Non
         record_model(m, node, requested, "eager", f"{unavailable}; running eager", f"runs eager: {unavailable}")
         return m, None
     current = fast_path_of(m)
-    fast_path = current.with_configs(**configs) if current else FastPath(
-        configs.get("compile_config"), configs.get("graph_config"), model_family(m), step_cache_config=configs.get("step_cache_config"))
+    fast_path = current.with_config(name, config) if current else FastPath({name: config}, model_family(m))
     fast_path.requested[node] = requested
     install_fast_path(m, fast_path)
     return m, "; ".join(filter(None, [path_note, fast_path.family.unknown_note]))

@@ -43,7 +43,7 @@ class SDOptStepCache:
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         blocks = glue.comfy_unet_blocks(model.model.diffusion_model)
         problem = unavailable(config, model.load_device, blocks=blocks)
-        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, step_cache_config=config)
+        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, glue.STEP_CACHE, config)
         if path_note is not None:
             glue.fast_path_of(m).notes[NODE] = lambda: QUALITY_NOTE
             glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, QUALITY_NOTE])))

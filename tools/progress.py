@@ -3,7 +3,8 @@
 Off a terminal (a file, a pipe, a CI log) tqdm still redraws its bar with carriage returns and,
 for nested or closed bars, cursor-up codes (``\\x1b[A``), which a log keeps as dozens of partial
 lines. ``progress_bar`` takes tqdm's arguments and, where its output is not a TTY, writes one plain
-line per finished item instead: ``desc: 3/8 runs, 12.4 s (postfix)``.
+line per finished item instead: ``desc: 3/8 runs, 12.4 s (postfix)``; past ``EVERY_ITEM_UP_TO`` items
+(a checkpoint's 730 tensors), one line per twentieth of the total and the last.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from tqdm import tqdm
 
 LOG_FORMAT = "{desc}: {n_fmt}/{total_fmt} {unit}, {elapsed_s:.1f} s{postfix}"
+EVERY_ITEM_UP_TO = 40
+_STEPS = 20
 
 
 class LogLines(tqdm):
@@ -23,8 +26,18 @@ class LogLines(tqdm):
         self._shown = 0
         super().__init__(*args, **kwargs)
 
-    def display(self, msg=None, pos=None):
+    def _due(self) -> bool:
+        """Progress worth a line: any, up to ``EVERY_ITEM_UP_TO`` items (or an unknown total); past
+        that, a new twentieth of the total, or the end."""
         if self.n == self._shown:  # a refresh without progress (a new postfix, the bar's start or close)
+            return False
+        total = self.total
+        if total is None or total <= EVERY_ITEM_UP_TO or self.n >= total:
+            return True
+        return self.n * _STEPS // total > self._shown * _STEPS // total
+
+    def display(self, msg=None, pos=None):
+        if not self._due():
             return True
         self._shown = self.n
         total = self.total if self.total is not None else "?"
@@ -45,7 +58,7 @@ class LogLines(tqdm):
     def close(self):
         if self.disable:
             return super().close()
-        self.display()  # the last count, where no refresh showed it
+        self.display()  # the last count, where no refresh showed it (an unknown or unreached total)
         self.disable = True  # what tqdm writes on closing (a newline, a carriage return) is for a terminal
         self._decr_instances(self)
 

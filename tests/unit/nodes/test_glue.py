@@ -1333,7 +1333,7 @@ def test_fast_path_binds_the_tensor_inputs_its_family_names(patcher_extension):
     from sdopt.optim.compile import CompileConfig
 
     guided = dataclasses.replace(SD15_FAMILY, call=DiffusionCall(tensor_inputs=("x", "timesteps", "context", "y", "guidance")))
-    fast_path = glue.FastPath(CompileConfig("trace"), None, glue.ModelFamily(guided, "Guided"))
+    fast_path = glue.FastPath({glue.COMPILE: CompileConfig("trace")}, glue.ModelFamily(guided, "Guided"))
     unet = GuidedUNet()
     for seed in range(3):
         x, t, context = _step(seed)
@@ -1531,3 +1531,23 @@ def test_fall_back_or_raise_is_every_nodes_on_unavailable():
     with pytest.raises(UserError) as raised:
         glue.fall_back_or_raise("error", problem, "run eager")
     assert str(raised.value) == "mode: no GPU here; run it on a GPU (or set on_unavailable to fallback to run eager)"
+
+
+@torch.inference_mode()
+def test_the_chain_runs_innermost_first_whatever_order_its_configs_come_in(patcher_extension):
+    from sdopt.families import SD15 as SD15_FAMILY
+    from sdopt.optim.compile import CompileConfig
+    from sdopt.optim.cuda_graph import GraphConfig, GraphedFunction
+    from sdopt.optim.step_cache import StepCacheConfig
+
+    family = glue.ModelFamily(SD15_FAMILY, "SD15")
+    configs = {glue.GRAPH: GraphConfig(), glue.COMPILE: CompileConfig("trace"), glue.STEP_CACHE: StepCacheConfig()}
+    fast_path = glue.FastPath(configs, family)
+    assert list(fast_path.configs) == list(glue.CHAIN) == [glue.STEP_CACHE, glue.COMPILE, glue.GRAPH]
+    # the graph captures what compile made, never the other way round
+    fn, parts, _ = glue.FastPath({glue.GRAPH: GraphConfig(), glue.COMPILE: CompileConfig("trace")}, family)._runner(TinyUNet(), {})
+    assert isinstance(fn, GraphedFunction) and fn is parts[glue.GRAPH] and fn.fn is parts[glue.COMPILE]
+    replaced = fast_path.with_config(glue.COMPILE, None)
+    assert list(replaced.configs) == [glue.STEP_CACHE, glue.GRAPH] and fast_path.compile_config is not None
+    with pytest.raises(ValueError, match="not in the fast path's chain"):
+        glue.FastPath({"quantize": object()}, family)

@@ -46,3 +46,16 @@ def test_on_a_terminal_it_is_tqdms_bar():
     bar = progress_bar(total=2, file=Terminal())
     assert type(bar) is tqdm
     bar.close()
+
+
+def test_a_long_count_writes_a_line_per_twentieth_and_the_last():
+    log = io.StringIO()
+    for _ in progress_bar(range(730), desc="checkpoint", unit="tensor", file=log):
+        pass
+    counts = [int(line.split(": ")[1].split("/")[0]) for line in log.getvalue().splitlines()]
+    assert len(counts) == 20 and counts[-1] == 730 and counts == sorted(counts)
+    assert all(later - earlier <= 730 // 20 + 1 for earlier, later in zip([0, *counts], counts))
+    short = io.StringIO()
+    for _ in progress_bar(range(40), desc="steps", file=short):
+        pass
+    assert len(short.getvalue().splitlines()) == 40, "up to 40 items, every one"
