@@ -14,7 +14,10 @@ PORT ?= 8188
 # Small enough for a CPU; `make demo DEMO_SET=` runs the workflow as saved (512x512, 20 steps).
 DEMO_SET ?= --set KSampler.steps=4 --set EmptyLatentImage.width=256 --set EmptyLatentImage.height=256
 
-.PHONY: test demo serve comfyui clean FORCE
+# `make soak SOAK_ARGS="--prompts 20 --seed 3"`: fewer prompts, another draw.
+SOAK_ARGS ?=
+
+.PHONY: test demo serve soak comfyui clean FORCE
 
 # Re-checked on every call: the script only installs what changed (ComfyUI, torch pins, pyproject).
 $(SDOPT_HOME)/comfyui-path: FORCE
@@ -37,6 +40,10 @@ demo: comfyui $(MINI)
 
 serve: comfyui $(MINI) $(MINI_SDXL)
 	$(PY) -m sdopt serve --comfyui $(COMFY) --models $(MODELS) --port $(PORT)
+
+# Not part of `make test` or CI: 100 random prompts on a live server, under 30 min on 2 CPU cores.
+soak: comfyui $(MINI)
+	$(PY) -m sdopt soak --comfyui $(COMFY) --models $(MODELS) $(SOAK_ARGS)
 
 clean:
 	rm -rf $(SDOPT_HOME) out

@@ -406,8 +406,8 @@ def run_one(client: Client, prompt: dict, timeout: float) -> tuple[str, float, s
 def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEFAULT_PROMPTS, seed: int = 0,
          port: int | None = None, max_drift: float = DEFAULT_MAX_DRIFT, warmup: int = DEFAULT_WARMUP,
          model_names: tuple[str, ...] = ("mini",), lora: bool = True, prompt_timeout: float = PROMPT_TIMEOUT_S,
-         log: Callable[[str], None] = print) -> SoakResult:
-    """Run the soak (see the module docstring); ``log`` gets one line per prompt."""
+         log: Callable[[str], None] = lambda line: print(line, flush=True)) -> SoakResult:
+    """Run the soak (see the module docstring); ``log`` gets its status lines, stdout one line per prompt."""
     from .bench_unet import checkpoint_path
     from .modelgen import write_lora
     from .serve import LINK_NAME, _comfyui_root, install_pack, serve, stop, wait_ready
@@ -487,6 +487,7 @@ def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict,
             result.outcomes.append(outcome)
             bar.write(f"prompt {index + 1}/{result.prompts} {status} {seconds:.1f} s: {outcome.chain}"
                       + (f"\n  {error}" if error else ""))
+            sys.stdout.flush()  # a log shows each prompt as it ends
             bar.update()
             if process.poll() is not None:
                 log(f"soak: the server exited with status {process.returncode} after prompt {index + 1}")
