@@ -239,6 +239,7 @@ class PromptOutcome:
     status: str
     seconds: float
     error: str = ""
+    rss_bytes: int | None = None  # the server's, right after the prompt: where the memory went, prompt by prompt
 
     @property
     def failed(self) -> bool:
@@ -483,13 +484,15 @@ def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict,
                 log(f"soak: RSS {result.rss_warm_bytes / 2**20:,.0f} MiB after {index} warm-up prompts")
             planned = plan_prompt(index, result.seed, checkpoints)
             status, seconds, error = run_one(client, planned.api_prompt(), timeout)
-            outcome = PromptOutcome(index, planned.describe(), status, seconds, error)
+            alive = process.poll() is None
+            outcome = PromptOutcome(index, planned.describe(), status, seconds, error, rss_bytes(process.pid) if alive else None)
             result.outcomes.append(outcome)
-            bar.write(f"prompt {index + 1}/{result.prompts} {status} {seconds:.1f} s: {outcome.chain}"
+            rss = f", RSS {outcome.rss_bytes / 2**20:,.0f} MiB" if alive else ""
+            bar.write(f"prompt {index + 1}/{result.prompts} {status} {seconds:.1f} s{rss}: {outcome.chain}"
                       + (f"\n  {error}" if error else ""))
             sys.stdout.flush()  # a log shows each prompt as it ends
             bar.update()
-            if process.poll() is not None:
+            if not alive:
                 log(f"soak: the server exited with status {process.returncode} after prompt {index + 1}")
                 return
     result.rss_end_bytes = read_rss("end")
