@@ -17,7 +17,7 @@ Any 5 consecutive prompts use every node listed. sdopt Doctor is left out: it ru
 ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU,
 not the minutes of an inductor build, at the cost of not soaking inductor's generated code; VAE
 Precision is never asked for bf16 explicitly (see ``_vae_precision``). On 2 shared CPU cores a prompt of
-the SD1.5 mini takes about 5 to 25 s, 100 prompts under 30 minutes.
+the SD1.5 mini took a median 15 s (up to a minute), 100 prompts 29 minutes (docs/benchmarks.md).
 
 The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
 node) queued once the warm-up prompts are done and again after the last prompt, so both readings
