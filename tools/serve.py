@@ -7,9 +7,11 @@ with the Python running this. The browser tests start their server with the same
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,13 +76,31 @@ def server_command(comfyui: Path, config: Path, port: int, listen: str = "127.0.
     return [*command, *extra_args]
 
 
+def free_port(listen: str = "127.0.0.1") -> int:
+    """A TCP port free on ``listen`` now, for a server this process starts."""
+    with socket.socket() as sock:
+        sock.bind((listen, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when its parent dies, even killed, instead of running on."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def serve(comfyui: Path, models: Path, port: int, listen: str = "127.0.0.1", *, extra_args: Sequence[str] = (),
-          config_dir: Path | None = None, **popen_kwargs) -> subprocess.Popen:
+          config_dir: Path | None = None, die_with_parent: bool = False, **popen_kwargs) -> subprocess.Popen:
     """Start ComfyUI with sdopt (not waiting for it to answer); ``extra_args`` go to main.py as they are,
-    e.g. ``["--output-directory", DIR]``."""
+    e.g. ``["--output-directory", DIR]``. ``die_with_parent``: on Linux, the server is stopped when
+    this process dies, even killed (a test run, a soak), rather than holding its port."""
     install_pack(comfyui)
     config = write_model_paths(models, config_dir)
     command = server_command(comfyui, config, port, listen, extra_args)
+    if die_with_parent and sys.platform == "linux":
+        popen_kwargs["preexec_fn"] = _die_with_parent
     return subprocess.Popen(command, cwd=_comfyui_root(comfyui), **popen_kwargs)
 
 

@@ -28,11 +28,8 @@ removed, whatever happens.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import random
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -309,20 +306,6 @@ class SoakResult:
 # --- the server ----------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """Linux: the server gets SIGTERM when this process dies, even killed, instead of running on."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rss_bytes(pid: int) -> int:
     import psutil
 
@@ -411,7 +394,7 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
     """Run the soak (see the module docstring); ``log`` gets its status lines, stdout one line per prompt."""
     from .bench_unet import checkpoint_path
     from .modelgen import write_lora
-    from .serve import LINK_NAME, _comfyui_root, install_pack, serve, stop, wait_ready
+    from .serve import LINK_NAME, _comfyui_root, free_port, install_pack, serve, stop, wait_ready
 
     if prompts < 1:
         raise UserError(f"--prompts {prompts}: run at least 1 prompt")
@@ -446,7 +429,7 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
         start = time.monotonic()
         with server_log.open("w") as log_file:
             process = serve(root, models, port, extra_args=args, config_dir=scratch, stdout=log_file, stderr=subprocess.STDOUT,
-                            env=_server_env(scratch), preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                            env=_server_env(scratch), die_with_parent=True)
         try:
             client = Client(f"http://127.0.0.1:{port}")
             try:

@@ -7,14 +7,10 @@ $SDOPT_TEST_MODELS (the SD1.5 and SDXL mini checkpoints are generated there when
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,20 +30,6 @@ VIEWPORT = {"width": 1600, "height": 1000}
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "browser: drives ComfyUI's web UI in Chromium (tests/browser)")
-
-
-def _die_with_parent():
-    """Linux: the server gets SIGTERM when pytest dies, even killed, instead of holding its port."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Server:
@@ -87,7 +69,7 @@ def comfy_server(tmp_path_factory):
     if not comfyui:
         pytest.skip("browser tier: COMFYUI_PATH is not set (point it at a ComfyUI checkout to run these)")
     from sdopt.errors import UserError
-    from sdopt.tools.serve import LINK_NAME, install_pack, serve, stop, wait_ready
+    from sdopt.tools.serve import LINK_NAME, free_port, install_pack, serve, stop, wait_ready
 
     root = tmp_path_factory.mktemp("browser")
     checkpoints = Path(os.environ.get("SDOPT_TEST_MODELS") or root / "checkpoints")
@@ -112,12 +94,12 @@ def comfy_server(tmp_path_factory):
         module = install_pack(Path(comfyui)).name  # ComfyUI names the pack's web routes after its folder
     except UserError as error:
         pytest.fail(f"COMFYUI_PATH is set but unusable: {error}")
-    port, log = _free_port(), root / "server.log"
+    port, log = free_port(), root / "server.log"
     args = ["--output-directory", str(output), "--user-directory", str(user), "--input-directory", str(root / "input"),
             "--temp-directory", str(root), "--database-url", "sqlite:///:memory:"]
     with log.open("w") as log_file:
         process = serve(Path(comfyui), models, port, extra_args=args, config_dir=root, stdout=log_file,
-                        stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                        stderr=subprocess.STDOUT, die_with_parent=True)
     server = Server(f"http://127.0.0.1:{port}", module, log)
     try:
         try:
