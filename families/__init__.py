@@ -9,16 +9,21 @@ from .family import (
     VAE_PREFIX,
     CheckpointConfig,
     DiffusionCall,
+    DiffusionModelConfig,
     Family,
+    FluxConfig,
     LatentFormat,
+    MMDiTConfig,
     TextEncoderConfig,
     UNetConfig,
     VAEConfig,
 )
+from .flux import FLUX
 from .sd15 import SD15
+from .sd35 import SD35
 from .sdxl import SDXL
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, SD35, FLUX)}
 MODEL_NAMES: tuple[str, ...] = tuple(name for family in FAMILIES.values() for name in family.model_names)
 
 
@@ -56,7 +61,7 @@ def family_of_config_class(cls: type) -> Family | None:
 
 
 __all__ = [
-    "FAMILIES", "MODEL_NAMES", "UNET_PREFIX", "VAE_PREFIX", "CheckpointConfig", "DiffusionCall", "Family",
-    "LatentFormat", "TextEncoderConfig", "UNetConfig", "VAEConfig", "checkpoint_config", "family_of_config_class",
+    "FAMILIES", "MODEL_NAMES", "UNET_PREFIX", "VAE_PREFIX", "CheckpointConfig", "DiffusionCall",
+    "DiffusionModelConfig", "Family", "FluxConfig", "LatentFormat", "MMDiTConfig", "TextEncoderConfig", "UNetConfig", "VAEConfig", "checkpoint_config", "family_of_config_class",
     "model_name_of_file", "resolve_model",
 ]

@@ -2,7 +2,7 @@
 the diffusion model, the latent format, the VAE layout, the text encoders and the repeated blocks.
 
 Techniques, nodes and tools ask a ``Family`` for these instead of assuming SD1.5; none branches on
-a family's name. One module per family (``families/sd15.py``, ``families/sdxl.py``) builds its
+a family's name. One module per family (``families/sd15.py``, ``sdxl.py``, ``sd35.py``, ``flux.py``) builds its
 ``Family``; ``families/__init__.py`` registers it.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ class TextEncoderConfig:
 
     ``kind`` is ``hf_clip`` (transformers' ``CLIPTextModel`` keys, ``text_model.*``) or ``open_clip``
     (OpenCLIP's ``transformer.resblocks.*`` keys with a ``text_projection``, SDXL's CLIP-G).
-    ``projection_dim`` is the pooled output's width where the encoder has a text projection.
+    ``projection_dim`` is the pooled output's width where the encoder has a text projection (in
+    ``hf_clip`` format a ``text_projection.weight``, as in CLIPTextModelWithProjection and SD3's files).
     """
 
     prefix: str
@@ -76,7 +77,8 @@ class TextEncoderConfig:
 class VAEConfig:
     """LDM ``AutoencoderKL`` ddconfig.
 
-    ``fp16_overflow``: the decoder's activations before its GroupNorms exceed fp16's range, as the
+    ``quant_conv``: the 1x1 convs around the latent (SD1.5, SDXL); the 16-channel VAEs of SD3 and
+    Flux have none. ``fp16_overflow``: the decoder's activations before its GroupNorms exceed fp16's range, as the
     real SDXL VAE's do (the fp16 black image); in fp32 and bf16 the norms bring them back, so the
     image is unchanged.
     """
@@ -87,6 +89,7 @@ class VAEConfig:
     ch_mult: tuple[int, ...] = (1, 2, 4, 4)
     num_res_blocks: int = 2
     z_channels: int = 4
+    quant_conv: bool = True
     fp16_overflow: bool = False
 
     @property
@@ -95,13 +98,72 @@ class VAEConfig:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
-    """The parts of one generated single-file checkpoint. ``image_size``: default image side in pixels."""
+class MMDiTConfig:
+    """ComfyUI's MMDiT (SD3, SD3.5; ``mmdit.py``): ``depth`` joint blocks of width 64 x depth with
+    ``depth`` heads of 64, as ComfyUI derives them from the patch embedding's width. The last joint
+    block's text half is ``pre_only`` (attention inputs only). ``x_block_self_attn_layers``: the
+    blocks whose image half has a second self-attention (SD3.5 Medium's MMDiT-X). ``qk_norm``: RMS
+    norms on q and k (SD3.5). ``pos_embed_max_size``: the side, in patches, of the stored position
+    grid, which bounds the largest latent."""
 
-    unet: UNetConfig
+    depth: int
+    in_channels: int = 16
+    patch_size: int = 2
+    context_dim: int = 4096
+    adm_in_channels: int = 2048
+    pos_embed_max_size: int = 192
+    qk_norm: bool = True
+    x_block_self_attn_layers: tuple[int, ...] = ()
+    mlp_ratio: int = 4
+
+    @property
+    def hidden_size(self) -> int:
+        return 64 * self.depth
+
+
+@dataclass(frozen=True)
+class FluxConfig:
+    """ComfyUI's Flux (``ldm/flux/model.py``): ``depth`` double-stream blocks (image and text with
+    their own weights, joint attention) then ``depth_single_blocks`` single-stream blocks.
+    ComfyUI detects Flux with 24 heads whose rotary axes (16, 56, 56) fill 128 channels, so the
+    width is 3072 in every Flux it loads; a smaller ``hidden_size`` is for unit tests only.
+    ``guidance_embed``: dev's distilled guidance input (schnell has none)."""
+
+    depth: int
+    depth_single_blocks: int
+    hidden_size: int = 3072
+    num_heads: int = 24
+    mlp_ratio: int = 4
+    in_channels: int = 16
+    patch_size: int = 2
+    context_in_dim: int = 4096
+    vec_in_dim: int = 768
+    guidance_embed: bool = True
+    qkv_bias: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+DiffusionModelConfig = UNetConfig | MMDiTConfig | FluxConfig
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The parts of one generated checkpoint. ``image_size``: default image side in pixels.
+
+    ``text_encoders`` sit in the checkpoint; ``separate_text_encoders`` in a file of their own
+    (``Family.text_encoder_filename``) that ComfyUI's ``CLIPLoader`` loads as ``Family.clip_type``,
+    for families whose checkpoint loader would otherwise build a text encoder too large to generate
+    (Flux's T5-XXL). ``vae_prefix``: where the VAE sits in the checkpoint."""
+
+    diffusion_model: DiffusionModelConfig
     text_encoders: tuple[TextEncoderConfig, ...]
     vae: VAEConfig
     image_size: int = 512
+    vae_prefix: str = VAE_PREFIX
+    separate_text_encoders: tuple[TextEncoderConfig, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -118,11 +180,13 @@ class DiffusionCall:
     """How ComfyUI calls the diffusion model: the tensor inputs of its forward, in positional order,
     before ``control`` and ``transformer_options``. ``vector`` names the pooled-text/size vector
     input where there is one (SDXL's ``y``: pooled CLIP-G text 1280 + 6 size and crop embeddings of
-    256 = 2816), and ``vector_parts`` spells out its width."""
+    256 = 2816), and ``vector_parts`` spells out its width. ``runs_wrappers``: ComfyUI runs its
+    DIFFUSION_MODEL wrappers around this forward (its MMDiT wrapper for SD3 does not)."""
 
     tensor_inputs: tuple[str, ...] = ("x", "timesteps", "context", "y")
     vector: str | None = None
     vector_parts: tuple[tuple[str, int], ...] = ()
+    runs_wrappers: bool = True
 
     @property
     def vector_width(self) -> int:
@@ -138,7 +202,8 @@ class Family:
     ``supported_models`` classes that belong to it (subclasses included). ``vae_layout`` names the
     VAE architecture for the tiled VAE's adapters. ``repeated_blocks`` are the class names of the
     blocks that repeat in the diffusion model (regional compile's unit); ``feedforward_modules``
-    those of its token-wise feed-forwards (Low Memory slices them over tokens).
+    those of its token-wise feed-forwards (Low Memory slices them over tokens). ``clip_type`` is
+    the ``CLIPLoader`` type that loads a size's ``separate_text_encoders``.
     """
 
     name: str
@@ -151,6 +216,7 @@ class Family:
     repeated_blocks: tuple[str, ...] = ("ResBlock", "SpatialTransformer")
     feedforward_modules: tuple[str, ...] = ("FeedForward",)
     bare_sizes: bool = False
+    clip_type: str = "stable_diffusion"
 
     def model_name(self, size: str) -> str:
         return size if self.bare_sizes else f"{self.name}-{size}"
@@ -161,3 +227,8 @@ class Family:
 
     def checkpoint_filename(self, size: str) -> str:
         return f"sdopt-{size}-{self.name}.safetensors"
+
+    def text_encoder_filename(self, size: str) -> str | None:
+        """The file of size ``size``'s ``separate_text_encoders`` (for ComfyUI's text_encoders
+        folder), None where its checkpoint carries them all."""
+        return f"sdopt-{size}-{self.name}-text.safetensors" if self.sizes[size].separate_text_encoders else None

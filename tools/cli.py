@@ -22,12 +22,16 @@ from .modelgen import CHECKPOINT_DTYPES, SIZES
 def _make_model(args: argparse.Namespace) -> None:
     from .modelgen import write_checkpoint
 
-    summary = write_checkpoint(args.model, args.out, seed=args.seed, dtype=args.dtype, progress=True)
+    summary = write_checkpoint(args.model, args.out, seed=args.seed, dtype=args.dtype, progress=True,
+                               text_encoder_out=args.text_encoder_out)
     family, _ = resolve_model(args.model)
     print(
         f"wrote {summary.path}: {args.model} {family.title} checkpoint, {summary.param_count:,} parameters, "
         f"{summary.file_bytes / 2**20:,.1f} MiB ({args.dtype}, seed {args.seed})"
     )
+    if summary.text_encoder_path:
+        print(f"wrote {summary.text_encoder_path}: its text encoder, for ComfyUI's CLIPLoader (type {family.clip_type}) "
+              "from models/text_encoders")
 
 
 def _make_lora(args: argparse.Namespace) -> None:
@@ -269,9 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    make = commands.add_parser("make-model", help="write a deterministic random-weight checkpoint (SD1.5, SDXL)")
+    make = commands.add_parser("make-model", help="write a deterministic random-weight checkpoint (SD1.5, SDXL, SD3.5, Flux)")
     make.add_argument("model", choices=MODEL_NAMES)
     make.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
+    make.add_argument("--text-encoder-out", type=Path, default=None,
+                      help="Flux only: its text encoder file (default: text_encoders/ beside the checkpoints folder)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="fp16")
     make.set_defaults(handler=_make_model)

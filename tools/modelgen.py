@@ -2,10 +2,10 @@
 
 No weights can be downloaded, so sdopt writes its own. What a checkpoint holds comes from
 ``families``: the family's ``CheckpointConfig`` for the model name (``mini``, ``sdxl-mini``, ...)
-gives the LDM UNet (``model.diffusion_model.*``), the text encoders (HF CLIP under their prefix,
+gives the diffusion model (``model.diffusion_model.*``: the LDM UNet, SD3's MMDiT or Flux), the text encoders (HF CLIP under their prefix,
 e.g. ``cond_stage_model.transformer.text_model.*``, or OpenCLIP's format, SDXL's
-``conditioner.embedders.1.model.*``) and the LDM AutoencoderKL (``first_stage_model.*``), written
-into one safetensors file. Per family, ``tiny`` is small for unit tests (not loadable by ComfyUI),
+``conditioner.embedders.1.model.*``) and the LDM AutoencoderKL (``first_stage_model.*``, Flux's
+``vae.*``), written into one safetensors file; Flux's text encoder goes into a file of its own. Per family, ``tiny`` is small for unit tests (not loadable by ComfyUI),
 ``mini`` is a smaller UNet that ComfyUI still detects as the family, with the text encoders and
 VAE at full size (ComfyUI fixes their shapes), ``full`` has the real shapes.
 
@@ -28,7 +28,9 @@ from ..errors import UserError
 from ..families import (
     MODEL_NAMES,
     UNET_PREFIX,
-    VAE_PREFIX,
+    DiffusionModelConfig,
+    FluxConfig,
+    MMDiTConfig,
     TextEncoderConfig,
     UNetConfig,
     VAEConfig,
@@ -194,8 +196,8 @@ def clip_text_specs(cfg: TextEncoderConfig) -> dict[str, TensorSpec]:
     """The HF ``CLIPTextModel`` state dict, with the ``text_model.`` key prefix of SD checkpoints.
 
     transformers >= 5.6 flattened CLIPTextModel, so its own keys lack that prefix. SD1.5 and SDXL
-    checkpoints carry neither ``position_ids`` (a non-persistent buffer) nor ``text_projection``
-    (which belongs to CLIPTextModelWithProjection).
+    checkpoints carry no ``position_ids`` (a non-persistent buffer); ``text_projection`` (of
+    CLIPTextModelWithProjection) only where the config has a ``projection_dim`` (SD3's encoders).
     """
     b = _SpecBuilder()
     hidden = cfg.hidden_size
@@ -210,6 +212,8 @@ def clip_text_specs(cfg: TextEncoderConfig) -> dict[str, TensorSpec]:
         b.linear(f"{layer}.mlp.fc2", hidden, cfg.intermediate_size)
         b.norm(f"{layer}.layer_norm2", hidden)
     b.norm("text_model.final_layer_norm", hidden)
+    if cfg.projection_dim:
+        b.specs["text_projection.weight"] = TensorSpec((cfg.projection_dim, hidden), std=hidden**-0.5)
     return b.specs
 
 
@@ -281,9 +285,9 @@ def vae_ldm_specs(cfg: VAEConfig) -> dict[str, TensorSpec]:
     b.norm("encoder.norm_out", channels)
     # The encoder predicts mean and log-variance (double_z), hence 2 x z_channels.
     b.conv("encoder.conv_out", 2 * cfg.z_channels, channels, 3)
-    b.conv("quant_conv", 2 * cfg.z_channels, 2 * cfg.z_channels, 1)
-
-    b.conv("post_quant_conv", cfg.z_channels, cfg.z_channels, 1)
+    if cfg.quant_conv:
+        b.conv("quant_conv", 2 * cfg.z_channels, 2 * cfg.z_channels, 1)
+        b.conv("post_quant_conv", cfg.z_channels, cfg.z_channels, 1)
     channels = widths[-1]
     b.conv("decoder.conv_in", channels, cfg.z_channels, 3)
     _vae_mid(b, "decoder.mid", channels)
@@ -300,13 +304,109 @@ def vae_ldm_specs(cfg: VAEConfig) -> dict[str, TensorSpec]:
     return b.specs
 
 
+def mmdit_specs(cfg: MMDiTConfig) -> dict[str, TensorSpec]:
+    """ComfyUI's MMDiT state dict (keys without ``model.diffusion_model.``): patch, time, vector and
+    context embedders, the joint blocks (a text and an image half each), the final layer."""
+    b = _SpecBuilder()
+    hidden, head = cfg.hidden_size, 64
+    mlp = cfg.mlp_ratio * hidden
+    b.specs["pos_embed"] = TensorSpec((1, cfg.pos_embed_max_size**2, hidden), std=_SMALL_STD)
+    b._weight("x_embedder.proj", (hidden, cfg.in_channels, cfg.patch_size, cfg.patch_size))
+    b._bias("x_embedder.proj", hidden)
+    b.linear("t_embedder.mlp.0", hidden, 256)
+    b.linear("t_embedder.mlp.2", hidden, hidden)
+    b.linear("y_embedder.mlp.0", hidden, cfg.adm_in_channels)
+    b.linear("y_embedder.mlp.2", hidden, hidden)
+    b.linear("context_embedder", hidden, cfg.context_dim)
+
+    def attention(name: str, pre_only: bool) -> None:
+        b.linear(f"{name}.qkv", 3 * hidden, hidden)
+        if not pre_only:
+            b.linear(f"{name}.proj", hidden, hidden)
+        if cfg.qk_norm:
+            for norm in ("ln_q", "ln_k"):
+                b.specs[f"{name}.{norm}.weight"] = TensorSpec((head,), std=_SMALL_STD, mean=1.0)
+
+    for index in range(cfg.depth):
+        block = f"joint_blocks.{index}"
+        # The last block's text half only feeds the joint attention: no output projection, no MLP.
+        pre_only = index == cfg.depth - 1
+        attention(f"{block}.context_block.attn", pre_only)
+        if not pre_only:
+            b.linear(f"{block}.context_block.mlp.fc1", mlp, hidden)
+            b.linear(f"{block}.context_block.mlp.fc2", hidden, mlp)
+        b.linear(f"{block}.context_block.adaLN_modulation.1", (2 if pre_only else 6) * hidden, hidden)
+        dual = index in cfg.x_block_self_attn_layers
+        attention(f"{block}.x_block.attn", False)
+        if dual:
+            attention(f"{block}.x_block.attn2", False)
+        b.linear(f"{block}.x_block.mlp.fc1", mlp, hidden)
+        b.linear(f"{block}.x_block.mlp.fc2", hidden, mlp)
+        b.linear(f"{block}.x_block.adaLN_modulation.1", (9 if dual else 6) * hidden, hidden)
+    b.linear("final_layer.linear", cfg.patch_size**2 * cfg.in_channels, hidden)
+    b.linear("final_layer.adaLN_modulation.1", 2 * hidden, hidden)
+    return b.specs
+
+
+def flux_specs(cfg: FluxConfig) -> dict[str, TensorSpec]:
+    """ComfyUI's Flux state dict (keys without ``model.diffusion_model.``)."""
+    b = _SpecBuilder()
+    hidden = cfg.hidden_size
+    mlp = cfg.mlp_ratio * hidden
+    patch = cfg.patch_size**2 * cfg.in_channels
+    b.linear("img_in", hidden, patch)
+    embedders = [("time_in", 256), ("vector_in", cfg.vec_in_dim)] + ([("guidance_in", 256)] if cfg.guidance_embed else [])
+    for name, width in embedders:
+        b.linear(f"{name}.in_layer", hidden, width)
+        b.linear(f"{name}.out_layer", hidden, hidden)
+    b.linear("txt_in", hidden, cfg.context_in_dim)
+
+    def qk_norm(name: str) -> None:
+        for norm in ("query_norm", "key_norm"):
+            b.specs[f"{name}.{norm}.scale"] = TensorSpec((cfg.head_dim,), std=_SMALL_STD, mean=1.0)
+
+    for index in range(cfg.depth):
+        for stream in ("img", "txt"):
+            block = f"double_blocks.{index}.{stream}"
+            b.linear(f"{block}_mod.lin", 6 * hidden, hidden)
+            b.linear(f"{block}_attn.qkv", 3 * hidden, hidden, bias=cfg.qkv_bias)
+            qk_norm(f"{block}_attn.norm")
+            b.linear(f"{block}_attn.proj", hidden, hidden)
+            b.linear(f"{block}_mlp.0", mlp, hidden)
+            b.linear(f"{block}_mlp.2", hidden, mlp)
+    for index in range(cfg.depth_single_blocks):
+        block = f"single_blocks.{index}"
+        # linear1 yields q, k, v and the MLP's input at once; linear2 takes attention and MLP outputs.
+        b.linear(f"{block}.linear1", 3 * hidden + mlp, hidden)
+        b.linear(f"{block}.linear2", hidden, hidden + mlp)
+        qk_norm(f"{block}.norm")
+        b.linear(f"{block}.modulation.lin", 3 * hidden, hidden)
+    b.linear("final_layer.linear", patch, hidden)
+    b.linear("final_layer.adaLN_modulation.1", 2 * hidden, hidden)
+    return b.specs
+
+
+_DIFFUSION_MODEL_SPECS = {UNetConfig: unet_ldm_specs, MMDiTConfig: mmdit_specs, FluxConfig: flux_specs}
+
+
+def diffusion_model_specs(cfg: DiffusionModelConfig) -> dict[str, TensorSpec]:
+    """The state dict of a diffusion model in ComfyUI's format (keys without ``model.diffusion_model.``)."""
+    return _DIFFUSION_MODEL_SPECS[type(cfg)](cfg)
+
+
 def checkpoint_specs(name: str) -> dict[str, TensorSpec]:
     """Every tensor of the single-file checkpoint of model ``name``, with full keys."""
     cfg = checkpoint_config(name)
-    parts = [(UNET_PREFIX, unet_ldm_specs(cfg.unet))]
+    parts = [(UNET_PREFIX, diffusion_model_specs(cfg.diffusion_model))]
     parts += [(text.prefix, text_encoder_specs(text)) for text in cfg.text_encoders]
-    parts.append((VAE_PREFIX, vae_ldm_specs(cfg.vae)))
+    parts.append((cfg.vae_prefix, vae_ldm_specs(cfg.vae)))
     return {prefix + key: spec for prefix, part in parts for key, spec in part.items()}
+
+
+def separate_text_encoder_specs(name: str) -> dict[str, TensorSpec]:
+    """Every tensor of model ``name``'s text encoder file (empty where its checkpoint carries them)."""
+    cfg = checkpoint_config(name)
+    return {text.prefix + key: spec for text in cfg.separate_text_encoders for key, spec in text_encoder_specs(text).items()}
 
 
 def param_count(specs: dict[str, TensorSpec]) -> int:
@@ -337,7 +437,7 @@ def _transformer_layers_per_block(unet: UNetConfig) -> int | list[int]:
 def diffusers_unet_config(name: str) -> dict:
     """``UNet2DConditionModel(**kwargs)`` matching the UNet of model ``name``."""
     cfg = checkpoint_config(name)
-    unet = cfg.unet
+    unet = cfg.diffusion_model
     levels = range(len(unet.channel_mult))
     widths = [unet.model_channels * mult for mult in unet.channel_mult]
     config = {
@@ -434,6 +534,7 @@ class CheckpointSummary:
     tensor_count: int
     param_count: int
     file_bytes: int
+    text_encoder_path: Path | None = None
 
 
 def _checked_out_path(out: str | os.PathLike) -> Path:
@@ -508,23 +609,48 @@ def _write_safetensors(
     return path, specs
 
 
+def text_encoder_path(checkpoint: str | os.PathLike) -> Path:
+    """Where the text encoder file of a checkpoint written to ``checkpoint`` goes: the
+    ``text_encoders`` folder beside ComfyUI's ``checkpoints`` folder when it is written there, else a
+    ``text_encoders`` folder inside its own folder (as ``--models`` folders are searched)."""
+    path = Path(checkpoint).expanduser()
+    root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return root / "text_encoders" / f"{path.stem}-text.safetensors"
+
+
 def write_checkpoint(
-    name: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "fp16", progress: bool = False
+    name: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "fp16", progress: bool = False,
+    text_encoder_out: str | os.PathLike | None = None,
 ) -> CheckpointSummary:
     """Write the checkpoint of model ``name`` (one of ``MODEL_NAMES``) to ``out`` (a .safetensors
-    file) and describe it. Peak memory is one tensor; the file appears only when complete."""
-    specs = checkpoint_specs(name)
+    file) and describe it. Peak memory is one tensor; the file appears only when complete.
+
+    A family whose text encoders live apart (Flux) also gets its text encoder file, written first
+    to ``text_encoder_out`` (default ``text_encoder_path(out)``); the summary counts both files."""
     # sdopt_size holds the model name (SD1.5's are its bare sizes, so their files stay as they were).
     metadata = {"format": "pt", "sdopt_size": name, "sdopt_seed": str(seed), "sdopt_dtype": dtype}
+    text_specs = separate_text_encoder_specs(name)
+    text_file = None
+    if text_specs:
+        text_file, text_specs = _write_safetensors(
+            text_specs, text_encoder_out or text_encoder_path(out), {**metadata, "sdopt_part": "text_encoders"},
+            seed=seed, dtype=dtype, desc=f"sdopt {name} text encoder", progress=progress,
+        )
     path, specs = _write_safetensors(
-        specs, out, metadata, seed=seed, dtype=dtype, desc=f"sdopt {name} checkpoint", progress=progress
+        checkpoint_specs(name), out, metadata, seed=seed, dtype=dtype, desc=f"sdopt {name} checkpoint",
+        progress=progress,
     )
-    return CheckpointSummary(path, name, seed, dtype, len(specs), param_count(specs), path.stat().st_size)
+    file_bytes = path.stat().st_size + (text_file.stat().st_size if text_file else 0)
+    return CheckpointSummary(path, name, seed, dtype, len(specs) + len(text_specs),
+                             param_count(specs) + param_count(text_specs), file_bytes, text_file)
 
 
 # The layers a LoRA adapts, as kohya's sd-scripts trains them (the format ComfyUI's LoraLoader maps):
-# the UNet's transformer-block linears and each text encoder layer's attention and MLP.
+# an LDM UNet's transformer-block linears and each text encoder layer's attention and MLP.
 _LORA_UNET_LAYERS = re.compile(r"\.transformer_blocks\.\d+\.(attn[12]\.to_(q|k|v|out\.0)|ff\.net\.(0\.proj|2))\.weight$")
+# A DiT's block linears that LoRAs train: MMDiT's attention (qkv, proj) and MLP (fc1, fc2), Flux's
+# attention and MLPs of both streams and its single blocks' fused linear1 and linear2.
+_LORA_DIT_LAYERS = re.compile(r"^(joint|double|single)_blocks\.\d+\..*(qkv|proj|fc[12]|linear[12]|mlp\.[02])\.weight$")
 _LORA_TEXT_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 # The LoRA's change of each weight, relative to the weight's own scale: visible in a sampled image,
 # small enough to leave it finite.
@@ -542,18 +668,29 @@ def _lora_module(specs: dict[str, TensorSpec], name: str, out_features: int, in_
     specs[f"{name}.alpha"] = TensorSpec((), std=0.0, mean=float(rank))
 
 
+def _lora_diffusion_layers(cfg) -> dict[str, tuple[int, int]]:
+    """{kohya or ComfyUI key of an adapted layer: (out, in)} of the diffusion model: an LDM UNet's
+    transformer linears under kohya's ``lora_unet_<LDM key, dots as underscores>``; a DiT's block
+    linears (attention and MLP) under ComfyUI's generic ``diffusion_model.<key>``."""
+    specs = diffusion_model_specs(cfg)
+    if isinstance(cfg, UNetConfig):
+        return {"lora_unet_" + key.removesuffix(".weight").replace(".", "_"): spec.shape
+                for key, spec in specs.items() if _LORA_UNET_LAYERS.search(key)}
+    return {"diffusion_model." + key.removesuffix(".weight"): spec.shape
+            for key, spec in specs.items() if _LORA_DIT_LAYERS.search(key)}
+
+
 def lora_specs(name: str, rank: int) -> dict[str, TensorSpec]:
-    """A rank-``rank`` LoRA for model ``name`` in kohya's format: ``lora_unet_<LDM key, dots as
-    underscores>`` for the UNet, ``lora_te_`` (one text encoder) or ``lora_te1_``/``lora_te2_`` (two,
-    SDXL) + ``text_model_encoder_layers_<n>_<layer>`` in transformers' naming, OpenCLIP's CLIP-G included."""
+    """A rank-``rank`` LoRA for model ``name``: the diffusion model's layers (``_lora_diffusion_layers``),
+    and in kohya's format ``lora_te_`` (one text encoder in the checkpoint) or ``lora_te1_``/``lora_te2_``
+    (two, SDXL and SD3.5) + ``text_model_encoder_layers_<n>_<layer>`` in transformers' naming, OpenCLIP's
+    CLIP-G included. A text encoder in a file of its own (Flux) is not adapted."""
     if rank < 1:
         raise UserError(f"LoRA rank must be at least 1, got {rank}")
     cfg = checkpoint_config(name)
     specs: dict[str, TensorSpec] = {}
-    for key, spec in unet_ldm_specs(cfg.unet).items():
-        if _LORA_UNET_LAYERS.search(key):
-            out_features, in_features = spec.shape
-            _lora_module(specs, "lora_unet_" + key.removesuffix(".weight").replace(".", "_"), out_features, in_features, rank)
+    for key, (out_features, in_features) in _lora_diffusion_layers(cfg.diffusion_model).items():
+        _lora_module(specs, key, out_features, in_features, rank)
     for index, text in enumerate(cfg.text_encoders):
         prefix = "lora_te" if len(cfg.text_encoders) == 1 else f"lora_te{index + 1}"
         shapes = {"mlp.fc1": (text.intermediate_size, text.hidden_size), "mlp.fc2": (text.hidden_size, text.intermediate_size)}

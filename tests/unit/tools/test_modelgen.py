@@ -20,11 +20,24 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from sdopt.errors import UserError
-from sdopt.families import FAMILIES, MODEL_NAMES, UNET_PREFIX, VAE_PREFIX, checkpoint_config
+from sdopt.families import (
+    FAMILIES,
+    MODEL_NAMES,
+    UNET_PREFIX,
+    VAE_PREFIX,
+    FluxConfig,
+    MMDiTConfig,
+    UNetConfig,
+    checkpoint_config,
+    resolve_model,
+)
 from sdopt.tools import cli, modelgen
 from sdopt.tools.modelgen import (
     checkpoint_specs,
     clip_text_specs,
+    diffusion_model_specs,
+    separate_text_encoder_specs,
+    text_encoder_path,
     diffusers_unet_config,
     diffusers_vae_config,
     lora_specs,
@@ -39,6 +52,7 @@ from sdopt.tools.modelgen import (
 
 TEXT_ENCODER_PREFIX = FAMILIES["sd15"].sizes["full"].text_encoders[0].prefix
 SDXL = FAMILIES["sdxl"]
+UNET_MODEL_NAMES = [name for name in MODEL_NAMES if isinstance(checkpoint_config(name).diffusion_model, UNetConfig)]
 CLIP_L, CLIP_G = SDXL.sizes["full"].text_encoders
 CLIP_G_TINY = SDXL.sizes["tiny"].text_encoders[1]
 # What ComfyUI 0.3.75's own model detection makes of the SDXL checkpoints; regenerate with the command in
@@ -66,7 +80,7 @@ def _part(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.T
 def _ldm_original_config(size: str) -> dict:
     """The LDM yaml (v1-inference.yaml layout) that the sdopt config stands for."""
     cfg = checkpoint_config(size)
-    unet, vae = cfg.unet, cfg.vae
+    unet, vae = cfg.diffusion_model, cfg.vae
     return {
         "model": {
             "params": {
@@ -231,7 +245,7 @@ def test_full_manifest_matches_sd15_exactly():
 def test_mini_manifest_is_detected_as_sd15_with_full_text_encoder_and_vae():
     mini = checkpoint_config("mini")
     full = checkpoint_config("full")
-    unet = unet_ldm_specs(mini.unet)
+    unet = unet_ldm_specs(mini.diffusion_model)
     assert param_count(unet) == 107_431_044
     # What ComfyUI's SD15.matches reads: model_channels 320, in_channels 4, context 768, conv proj_in.
     assert unet["input_blocks.0.0.weight"].shape == (320, 4, 3, 3)
@@ -256,7 +270,7 @@ def sdxl_tiny_checkpoint(tmp_path_factory) -> dict[str, torch.Tensor]:
 def _sgm_original_config(name: str) -> dict:
     """The generative-models yaml (sd_xl_base.yaml layout) that the sdopt config stands for."""
     cfg = checkpoint_config(name)
-    unet, vae = cfg.unet, cfg.vae
+    unet, vae = cfg.diffusion_model, cfg.vae
     return {
         "model": {
             "params": {
@@ -313,7 +327,7 @@ def test_sdxl_diffusers_configs_agree_with_diffusers_reading_of_the_sgm_config(n
     assert diffusers_unet_config(name)["addition_time_embed_dim"] == 256
 
 
-@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("name", UNET_MODEL_NAMES)
 def test_diffusers_and_transformers_build_every_part_with_the_checkpoint_s_tensors(name):
     """Built on the meta device from our configs, each part has the generated part's tensor and
     parameter counts, so plan and benches model the same networks as the checkpoints."""
@@ -328,7 +342,7 @@ def test_diffusers_and_transformers_build_every_part_with_the_checkpoint_s_tenso
             )
             for index, text in enumerate(cfg.text_encoders)
         ]
-    for module, specs in [(unet, unet_ldm_specs(cfg.unet)), (vae, vae_ldm_specs(cfg.vae))]:
+    for module, specs in [(unet, unet_ldm_specs(cfg.diffusion_model)), (vae, vae_ldm_specs(cfg.vae))]:
         assert len(list(module.parameters())) == len(specs), (name, type(module).__name__)
         assert sum(p.numel() for p in module.parameters()) == param_count(specs), (name, type(module).__name__)
     for module, text in zip(texts, cfg.text_encoders):
@@ -348,7 +362,7 @@ def test_sdxl_tiny_unet_loads_strictly_into_diffusers_and_runs_with_its_y_vector
     side = config["sample_size"]
     pooled = CLIP_G_TINY.projection_dim
     added = {"text_embeds": torch.randn(1, pooled), "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64]])}
-    assert pooled + 6 * config["addition_time_embed_dim"] == checkpoint_config("sdxl-tiny").unet.adm_in_channels
+    assert pooled + 6 * config["addition_time_embed_dim"] == checkpoint_config("sdxl-tiny").diffusion_model.adm_in_channels
     with torch.no_grad():
         out = unet(torch.randn(1, 4, side, side), 500, encoder_hidden_states=torch.randn(1, 77, 64), added_cond_kwargs=added)
     assert out.sample.shape == (1, 4, side, side)
@@ -418,14 +432,14 @@ def test_sdxl_vae_overflows_fp16_and_decodes_as_unscaled_in_fp32_and_bf16(sdxl_t
 
 def test_sdxl_tiny_unet_has_the_keys_and_shapes_comfyui_builds_from_its_detection():
     expected = {key: tuple(shape) for key, shape in COMFYUI_MANIFEST["sdxl-tiny"]["unet"].items()}
-    assert {key: spec.shape for key, spec in unet_ldm_specs(checkpoint_config("sdxl-tiny").unet).items()} == expected
+    assert {key: spec.shape for key, spec in unet_ldm_specs(checkpoint_config("sdxl-tiny").diffusion_model).items()} == expected
 
 
 @pytest.mark.parametrize("name", ["sdxl-tiny", "sdxl-mini", "sdxl-full"])
 def test_sdxl_configs_are_what_comfyui_detects(name):
     """Our UNet config, spelled out per block the way ComfyUI's detect_unet_config reads a file, is what
     it read from the generated keys; mini and full match ComfyUI's SDXL and have its UNet's size."""
-    unet = checkpoint_config(name).unet
+    unet = checkpoint_config(name).diffusion_model
     comfy = COMFYUI_MANIFEST[name]
     per_block = {
         "model_channels": unet.model_channels,
@@ -472,6 +486,84 @@ def test_sdxl_full_manifest_has_sdxl_s_sizes_and_mini_keeps_the_full_text_encode
     assert mini[UNET_PREFIX + "input_blocks.4.1.proj_in.weight"].shape == (320, 320)  # linear, not 1x1 conv
 
 
+# --- SD3.5 and Flux ----------------------------------------------------------------------------
+
+# The DiT checkpoints ComfyUI can build (flux-tiny's toy width is not one).
+DIT_MODELS = ["sd35-tiny", "sd35-mini", "sd35-medium", "sd35-full", "flux-mini", "flux-schnell", "flux-full"]
+
+
+@pytest.mark.parametrize("name", DIT_MODELS)
+def test_dit_checkpoints_are_what_comfyui_detects_and_builds(name):
+    """ComfyUI's detection reads the family's config back from the keys and shapes, matches the
+    family's class, and builds a diffusion model with exactly the generated tensors."""
+    family, _ = resolve_model(name)
+    cfg = checkpoint_config(name).diffusion_model
+    comfy = COMFYUI_MANIFEST[name]
+    assert comfy["supported_model"] in family.comfy_configs
+    detected = comfy["detected"]
+    if isinstance(cfg, MMDiTConfig):
+        assert (detected["depth"], detected["in_channels"], detected["adm_in_channels"]) == (cfg.depth, cfg.in_channels, cfg.adm_in_channels)
+        assert detected["x_block_self_attn_layers"] == list(cfg.x_block_self_attn_layers)
+        assert detected["pos_embed_max_size"] == cfg.pos_embed_max_size and detected.get("qk_norm") == "rms"
+    else:
+        assert (detected["depth"], detected["depth_single_blocks"], detected["hidden_size"]) == (
+            cfg.depth, cfg.depth_single_blocks, cfg.hidden_size)
+        assert (detected["context_in_dim"], detected["vec_in_dim"], detected["guidance_embed"]) == (
+            cfg.context_in_dim, cfg.vec_in_dim, cfg.guidance_embed)
+    specs = diffusion_model_specs(cfg)
+    assert (len(specs), param_count(specs)) == (comfy["unet_tensors"], comfy["unet_parameters"])
+    if "unet" in comfy:
+        assert {key: list(spec.shape) for key, spec in specs.items()} == comfy["unet"]
+
+
+def test_full_dits_have_the_published_parameter_counts():
+    # SD3.5 Large's MMDiT: 8.1B. Flux.1-dev: 11,901,408,320, of which txt_in takes T5's 4096-wide
+    # states; sdopt's takes CLIP-L's 768 (families/flux.py says why), 3,328 x 3,072 fewer.
+    assert param_count(diffusion_model_specs(checkpoint_config("sd35-full").diffusion_model)) == 8_146_280_768
+    flux = checkpoint_config("flux-full").diffusion_model
+    assert param_count(diffusion_model_specs(flux)) + (4096 - flux.context_in_dim) * flux.hidden_size == 11_901_408_320
+    schnell = diffusion_model_specs(checkpoint_config("flux-schnell").diffusion_model)
+    assert not any(key.startswith("guidance_in.") for key in schnell)
+
+
+@pytest.mark.parametrize("name", ["sd35-mini", "flux-mini"])
+def test_dit_vae_has_16_latent_channels_and_no_quant_convs(name):
+    cfg = checkpoint_config(name)
+    vae = _part(checkpoint_specs(name), cfg.vae_prefix)
+    assert vae[cfg.vae_prefix + "decoder.conv_in.weight"].shape == (512, 16, 3, 3)
+    assert vae[cfg.vae_prefix + "encoder.conv_out.weight"].shape == (32, 512, 3, 3)
+    assert not any("quant_conv" in key for key in vae)
+
+
+def test_sd35_text_encoders_carry_their_projections_under_sd3_s_prefixes():
+    full = checkpoint_specs("sd35-full")
+    assert full["text_encoders.clip_g.transformer.text_projection.weight"].shape == (1280, 1280)
+    assert full["text_encoders.clip_l.transformer.text_projection.weight"].shape == (768, 768)
+    assert full["text_encoders.clip_g.transformer.text_model.encoder.layers.31.mlp.fc1.weight"].shape == (5120, 1280)
+    assert not any(key.startswith("text_encoders.t5xxl.") for key in full)
+
+
+def test_flux_checkpoint_has_no_text_encoder_and_its_file_is_clip_l(tmp_path):
+    """ComfyUI builds T5-XXL for a Flux checkpoint that carries any text encoder, so the text
+    encoder goes into a file of its own, in the format CLIPLoader detects as CLIP-L."""
+    flux = FAMILIES["flux"]
+    assert all(key.startswith((UNET_PREFIX, "vae.")) for key in checkpoint_specs("flux-mini"))
+    text = separate_text_encoder_specs("flux-mini")
+    assert text["text_model.encoder.layers.0.mlp.fc1.weight"].shape == (3072, 768)
+    assert "text_model.encoder.layers.11.mlp.fc1.weight" in text and "text_model.encoder.layers.12.mlp.fc1.weight" not in text
+    assert separate_text_encoder_specs("sd35-mini") == {} and flux.text_encoder_filename("mini") == "sdopt-mini-flux-text.safetensors"
+
+    summary = write_checkpoint("flux-tiny", tmp_path / "checkpoints" / "m.safetensors", dtype="fp32")
+    assert summary.text_encoder_path == tmp_path / "text_encoders" / "m-text.safetensors"
+    written = load_file(summary.text_encoder_path)
+    assert set(written) == set(separate_text_encoder_specs("flux-tiny"))
+    assert summary.tensor_count == len(checkpoint_specs("flux-tiny")) + len(written)
+    assert summary.file_bytes == summary.path.stat().st_size + summary.text_encoder_path.stat().st_size
+    assert text_encoder_path(tmp_path / "m.safetensors") == tmp_path / "text_encoders" / "m-text.safetensors"
+    chosen = write_checkpoint("flux-tiny", tmp_path / "a.safetensors", text_encoder_out=tmp_path / "t.safetensors")
+    assert chosen.text_encoder_path == tmp_path / "t.safetensors" and chosen.text_encoder_path.is_file()
+
+
 # --- LoRA ------------------------------------------------------------------------------------
 
 
@@ -479,13 +571,22 @@ def _kohya_targets(name: str) -> dict[str, tuple[int, ...]]:
     """Every 2-D weight in the UNet's transformer blocks and the text encoders' layers, under kohya's
     key (what ComfyUI's comfy/lora.py maps): ``lora_unet_`` + the LDM key with dots as underscores;
     ``lora_te_`` (``lora_te1_``/``lora_te2_`` with two encoders) + transformers' key, which is what
-    ComfyUI converts OpenCLIP's fused CLIP-G layers to."""
+    ComfyUI converts OpenCLIP's fused CLIP-G layers to. A DiT's block weights but its modulations,
+    under ComfyUI's generic ``diffusion_model.`` + its key."""
     cfg = checkpoint_config(name)
-    targets = {
-        "lora_unet_" + key.removesuffix(".weight").replace(".", "_"): spec.shape
-        for key, spec in unet_ldm_specs(cfg.unet).items()
-        if ".transformer_blocks." in key and key.endswith(".weight") and len(spec.shape) == 2
-    }
+    if isinstance(cfg.diffusion_model, UNetConfig):
+        targets = {
+            "lora_unet_" + key.removesuffix(".weight").replace(".", "_"): spec.shape
+            for key, spec in unet_ldm_specs(cfg.diffusion_model).items()
+            if ".transformer_blocks." in key and key.endswith(".weight") and len(spec.shape) == 2
+        }
+    else:
+        targets = {
+            "diffusion_model." + key.removesuffix(".weight"): spec.shape
+            for key, spec in diffusion_model_specs(cfg.diffusion_model).items()
+            if key.split(".")[0] in ("joint_blocks", "double_blocks", "single_blocks") and key.endswith(".weight")
+            and len(spec.shape) == 2 and "mod" not in key
+        }
     for index, text in enumerate(cfg.text_encoders):
         prefix = "lora_te" if len(cfg.text_encoders) == 1 else f"lora_te{index + 1}"
         for key, spec in clip_text_specs(text).items():
@@ -494,7 +595,7 @@ def _kohya_targets(name: str) -> dict[str, tuple[int, ...]]:
     return targets
 
 
-@pytest.mark.parametrize("name", ["tiny", "sdxl-tiny", "sdxl-mini"])
+@pytest.mark.parametrize("name", ["tiny", "sdxl-tiny", "sdxl-mini", "sd35-tiny", "flux-tiny"])
 def test_lora_adapts_every_transformer_linear_under_kohya_s_keys(name):
     rank = 3
     specs = lora_specs(name, rank)

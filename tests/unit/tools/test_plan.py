@@ -133,11 +133,11 @@ def test_sdxl_unet_step_takes_the_y_vector(sdxl_tiny):
     fn, inputs = stage_call("sdxl-tiny", UNET_STEP, sdxl_tiny.modules, 128, 64, torch.float32, sdxl_tiny._make)
     x, sigma, context, pooled, time_ids = inputs
     down = config.vae.downscale
-    assert tuple(x.shape) == (2, 4, 64 // down, 128 // down) and tuple(context.shape) == (2, 77, config.unet.context_dim)
+    assert tuple(x.shape) == (2, 4, 64 // down, 128 // down) and tuple(context.shape) == (2, 77, config.diffusion_model.context_dim)
     # y = pooled CLIP-G text + six size and crop ids, each embedded to the same width: adm_in_channels in all.
     unet = sdxl_tiny.modules["unet"]
     assert tuple(pooled.shape) == (2, config.text_encoders[-1].projection_dim) and tuple(time_ids.shape) == (2, 6)
-    assert pooled.shape[1] + 6 * unet.config.addition_time_embed_dim == config.unet.adm_in_channels
+    assert pooled.shape[1] + 6 * unet.config.addition_time_embed_dim == config.diffusion_model.adm_in_channels
     stock = sdxl_tiny.predict(UNET_STEP, SETTINGS[UNET_STEP][0], 128, 128)
     # Sequential CFG must split y with the latent, or the UNet's batch-1 halves meet a batch-2 vector.
     low = sdxl_tiny.predict(UNET_STEP, lowmem_setting(1), 128, 128)
