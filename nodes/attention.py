@@ -8,13 +8,13 @@ on a clone. Calls that ask for what sdopt's backends do not take (a custom ``sca
 import torch
 
 from ..errors import Unavailable
-from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, summarize_decisions
+from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, summarize_decisions
 from . import glue
 
 NODE = "SDOptAttention"
 OVERRIDE_KEY = "optimized_attention_override"
 NO_OVERRIDE = Unavailable("this ComfyUI has no per-model attention override (needs 0.3.60 or newer)", "update ComfyUI", "backend")
-DELEGATED = "calls with a custom scale or grouped-query attention ran ComfyUI's own function"
+DELEGATED = "calls with a custom scale, grouped-query attention or inputs no sdopt backend takes ran ComfyUI's own function"
 
 
 def attention_inputs(first: str, kind: str) -> dict:
@@ -48,15 +48,23 @@ def configure(backend, on_unavailable, slice_size, memory_budget_mb, device) -> 
 
 
 def comfy_attention_override(attention, report):
-    """An override running ``attention`` on ComfyUI's arguments, as ``attention_pytorch`` reads them."""
+    """An override running ``attention`` on ComfyUI's arguments, as ``attention_pytorch`` reads them.
+    Calls it cannot take (a custom scale, grouped-query attention, inputs that no backend takes
+    when falling back) run ComfyUI's own function, and ``report(delegated=True)`` says so."""
     run = packed_heads(attention)
 
     def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
-        if kwargs.get("scale") is not None or kwargs.get("enable_gqa"):
+        def comfy_own():
             report(delegated=True)
             return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, **kwargs)
+
+        if kwargs.get("scale") is not None or kwargs.get("enable_gqa"):
+            return comfy_own()
         precision = getattr(glue.comfy_attention(), "get_attn_precision", lambda p, d: p)(attn_precision, q.dtype)
-        out = run(q, k, v, heads, mask, skip_reshape, skip_output_reshape, upcast=precision == torch.float32)
+        try:
+            out = run(q, k, v, heads, mask, skip_reshape, skip_output_reshape, upcast=precision == torch.float32)
+        except NoAttentionBackend:
+            return comfy_own()
         report()
         return out
 

@@ -247,6 +247,11 @@ def resolve_backend(
     return _resolve(name, lambda candidate: available(candidate, q, k, v, mask), on_unavailable)
 
 
+class NoAttentionBackend(UserError):
+    """Falling back found no backend that takes the inputs: a host with attention of its own runs
+    its own for that call (``fallback`` never fails a prompt)."""
+
+
 def resolve_backend_for_device(name: str, device: torch.device | str, on_unavailable: str = "fallback") -> Resolved:
     """Like ``resolve_backend`` before any tensor exists: checks the package and the device only."""
     return _resolve(name, lambda candidate: get_backend(candidate).check(device), on_unavailable)
@@ -287,7 +292,7 @@ def _resolve(name: str, check: Callable[[str], Availability], on_unavailable: st
         if fallback.ok:
             return Resolved(name, candidate, f"fallback from {name} to {candidate}: {verdict.reason}")
         reasons.append(f"{candidate}: {fallback.reason}")
-    raise UserError(f"backend: no attention backend can run here ({', '.join(reasons)})")
+    raise NoAttentionBackend(f"backend: no attention backend can run here ({', '.join(reasons)})")
 
 
 # --- the backends ------------------------------------------------------------------------------
@@ -661,12 +666,16 @@ def summarize_decisions(decisions: list[AttentionDecision]) -> tuple[str, str]:
 def packed_heads(attention: AttentionFn) -> Callable:
     """``attention`` for q, k, v packed as ``[B, N, heads * D]`` (LDM and ComfyUI), or already
     ``[B, H, N, D]`` with ``skip_reshape``; a 2-D or 3-D mask gains the missing dims; ``upcast``
-    computes half inputs in fp32. The output comes back in the inputs' layout and dtype."""
+    computes half inputs in fp32. The output comes back in the inputs' layout and dtype.
+
+    Any of them may also come split into heads, ``[B, N, heads, D]``: SD3's MMDiT hands v over so."""
 
     def call(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, upcast=False):
         batch = q.shape[0]
         if not skip_reshape:
-            q, k, v = (t.reshape(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (q, k, v))
+            q, k, v = (
+                (t if t.ndim == 4 else t.reshape(batch, -1, heads, t.shape[-1] // heads)).transpose(1, 2) for t in (q, k, v)
+            )
         if mask is not None and mask.ndim == 2:
             mask = mask.unsqueeze(0)
         if mask is not None and mask.ndim == 3:

@@ -232,10 +232,12 @@ def test_error_mode_raises_one_line_naming_the_requirement(registered):
     assert resolve_backend_for_device("sdpa_efficient", "cuda", "error").name == "sdpa_efficient"
 
 
-def test_nothing_can_run_raises():
+def test_nothing_can_run_raises_its_own_user_error():
+    """Its own class, so that a host with attention of its own runs that instead (the nodes' fallback)."""
     q, k, v = _qkv(1, 2, 8, 8, 16, torch.float64)
-    with pytest.raises(UserError, match="no attention backend can run here"):
+    with pytest.raises(A.NoAttentionBackend, match="no attention backend can run here") as error:
         resolve_backend("sdpa", q, k, v)
+    assert isinstance(error.value, UserError)
 
 
 def test_config_is_validated():
@@ -505,6 +507,15 @@ def test_packed_heads_with_another_value_dim():
     q, k, v = _packed(v_dim=24)
     out = A.packed_heads(naive_attention)(q, k, v, 4)
     assert out.shape == (2, 33, 4 * 24)
+    torch.testing.assert_close(out, _sdpa_reference(q, k, v, 4), atol=ATOL[torch.float32], rtol=0)
+
+
+def test_packed_heads_takes_any_input_already_split_into_heads():
+    """SD3's MMDiT packs q and k but hands v over as [B, N, heads, D] (ComfyUI's own attention
+    reshapes every input by q's head width)."""
+    q, k, v = _packed()
+    split_v = v.view(v.shape[0], -1, 4, 16)
+    out = A.packed_heads(naive_attention)(q, k, split_v, 4)
     torch.testing.assert_close(out, _sdpa_reference(q, k, v, 4), atol=ATOL[torch.float32], rtol=0)
 
 
