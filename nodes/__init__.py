@@ -1,4 +1,6 @@
-"""ComfyUI faces: one small module per technique, ``glue`` for what they share, ``registry`` listing them.
+"""ComfyUI faces: one small module per technique; ``glue`` (patching ComfyUI's objects), ``prompt_context``
+(the per-prompt context) and ``fast_path`` (the chain of UNet-forward techniques) for what they share;
+``registry`` listing them.
 
 The registrations are imported on first access, so that importing the pack never imports ComfyUI.
 """

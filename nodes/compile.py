@@ -1,6 +1,6 @@
 """SDOptCompile (MODEL → MODEL): the UNet through torch.compile, regional compile or a trace.
 
-The node only configures the clone's fast path (``glue.FastPath``); compilation happens on the
+The node only configures the clone's fast path (``fast_path.FastPath``); compilation happens on the
 first sampling step, and the profiler report gives its count, time, guard-failure reasons, graph
 breaks and the functions torch gave up on. Where ComfyUI's own attention breaks torch.compile's
 graph (on a CPU it asks psutil for free memory on every call) and no attention override is set,
@@ -13,7 +13,7 @@ import torch
 
 from ..optim.attention import AttentionConfig, build_attention
 from ..optim.compile import BACKENDS, COMPILE_MODES, MODES, CompileConfig, graph_break_reasons, unavailable
-from . import glue
+from . import fast_path, glue
 from .attention import OVERRIDE_KEY, comfy_attention_override
 
 NODE = "SDOptCompile"
@@ -99,10 +99,10 @@ class SDOptCompile:
         glue.check_inputs(SDOptCompile, mode=mode, backend=backend, compile_mode=compile_mode, dynamic=dynamic, fullgraph=fullgraph, on_unavailable=on_unavailable)
         config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
-        m, path_note = glue.fast_path_clone(model, NODE, requested, unavailable(config, model.load_device), on_unavailable, glue.COMPILE, config)
+        m, path_note = fast_path.fast_path_clone(model, NODE, requested, unavailable(config, model.load_device), on_unavailable, fast_path.COMPILE, config)
         if path_note is not None:
             routed, calls = route_attention(m, config)
-            glue.fast_path_of(m).notes[NODE] = lambda: routed if calls.get("eager") else ""
+            fast_path.fast_path_of(m).notes[NODE] = lambda: routed if calls.get("eager") else ""
             how = "compiles on the first steps" if mode != "trace" else "traced per resolution; not frozen, since ComfyUI may patch weights in place"
             glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, how, routed])))
         return (m,)

@@ -1,12 +1,12 @@
 """SDOptCUDAGraph (MODEL → MODEL): replay the UNet from CUDA graphs, one per input signature.
 
-Configures the clone's fast path (``glue.FastPath``): with SDOptCompile anywhere in the chain the
+Configures the clone's fast path (``fast_path.FastPath``): with SDOptCompile anywhere in the chain the
 graph captures the compiled code. Calls a graph cannot serve run eagerly, and the report says why.
 """
 import torch
 
 from ..optim.cuda_graph import GraphConfig, unavailable
-from . import glue
+from . import fast_path, glue
 
 NODE = "SDOptCUDAGraph"
 ON_UNAVAILABLE = ("fallback", "error")
@@ -36,7 +36,7 @@ class SDOptCUDAGraph:
         config = GraphConfig(max_graphs=max_graphs)
         requested = f"max_graphs={max_graphs}, on_unavailable={on_unavailable}"
         problem = unavailable(config, torch.device(model.load_device))
-        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, glue.GRAPH, config)
+        m, path_note = fast_path.fast_path_clone(model, NODE, requested, problem, on_unavailable, fast_path.GRAPH, config)
         if path_note is not None:
             note = "; ".join(filter(None, [path_note, "captured on the first step of each input signature"]))
             glue.record_model(m, NODE, requested, f"CUDA graph, up to {max_graphs}", note)

@@ -8,7 +8,7 @@ import json
 import os
 
 from ..tools.doctor import CHECKS, comfyui_device, comfyui_info, doctor_table, run_checks, summary
-from . import glue
+from . import prompt_context
 
 NODE = "SDOptDoctor"
 EVENT = "sdopt.doctor"
@@ -53,7 +53,7 @@ class SDOptDoctor:
         path = os.path.join(folder, f"{name}_{counter:05}_.json")
         with open(path, "w") as file:
             json.dump([row.to_dict() for row in rows], file, indent=2)
-        glue.send_to_client(EVENT, {"node": str(unique_id), "checks": [row.to_dict() for row in rows], "summary": summary(rows),
+        prompt_context.send_to_client(EVENT, {"node": str(unique_id), "checks": [row.to_dict() for row in rows], "summary": summary(rows),
                                     "table": doctor_table(rows), "json": {"filename": os.path.basename(path), "subfolder": subfolder, "type": "output"},
                                     "path": path})
         return {"ui": {}}

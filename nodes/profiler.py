@@ -8,7 +8,7 @@ so new ones (``latent_shapes`` in 0.33) pass through. Each run names the model's
 """
 from ..errors import UserError
 from ..measure.profiler import SamplingRun, active_run
-from . import glue
+from . import glue, prompt_context
 
 NODE = "SDOptProfiler"
 
@@ -16,15 +16,15 @@ NODE = "SDOptProfiler"
 def _outer_sample(label: str):
     def outer_sample(executor, *args, **kwargs):
         guider = executor.class_obj
-        prompt_id = glue.current_prompt_id()
-        glue.install_node_timer(prompt_id, glue.current_node_id())
+        prompt_id = prompt_context.current_prompt_id()
+        prompt_context.install_node_timer(prompt_id, prompt_context.current_node_id())
         patcher = guider.model_patcher
         run = SamplingRun(label, patcher.load_device, glue.model_records(guider.model_options), glue.dynamic_vram_probe(),
                           glue.model_family(patcher).label)
         with run.memory_scope():
             output = executor(*args, **kwargs)
         if run.finished:  # a guider that never calls the sampler wrapper leaves nothing to report
-            glue.prompt_log(prompt_id).runs.append(run.result().to_dict())
+            prompt_context.prompt_log(prompt_id).runs.append(run.result().to_dict())
         return output
 
     return outer_sample
@@ -74,5 +74,5 @@ class SDOptProfiler:
         label = label.strip()
         if not label:
             raise UserError("label: it is empty; give the runs a name, e.g. 'baseline'")
-        glue.install_node_timer(glue.current_prompt_id(), glue.current_node_id())
+        prompt_context.install_node_timer(prompt_context.current_prompt_id(), prompt_context.current_node_id())
         return (glue.patched_clone(model, NODE, {"OUTER_SAMPLE": _outer_sample(label), "SAMPLER_SAMPLE": _sampler_sample}),)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 from ..errors import UserError
 from ..measure.report import Report, device_name
-from . import glue
+from . import glue, prompt_context
 
 NODE = "SDOptProfileReport"
 EVENT = "sdopt.report"
@@ -25,9 +25,9 @@ _last_sampled: OrderedDict[tuple[str, str], Report] = OrderedDict()
 def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
     import comfy.model_management
 
-    log = glue.prompt_log(prompt_id)
+    log = prompt_context.prompt_log(prompt_id)
     report = Report(device=device_name(comfy.model_management.get_torch_device()), comfyui=glue.comfyui_version(),
-                    runs=list(log.runs), nodes=glue.node_timings(prompt_id), optimizations=list(log.records))
+                    runs=list(log.runs), nodes=prompt_context.node_timings(prompt_id), optimizations=list(log.records))
     profiled = any(node.get("class_type") == "SDOptProfiler" for node in (prompt or {}).values())
     # The same report node in the same graph: another workflow's figures must never stand in for these.
     graph = json.dumps({k: v for k, v in (prompt or {}).items() if k != node_id}, sort_keys=True, default=str)
@@ -78,14 +78,14 @@ class SDOptProfileReport:
             raise UserError("images: connect 'images' (from VAEDecode) or 'latent' (from the sampler) so the report runs after sampling")
         import folder_paths
 
-        report = build_report(glue.current_prompt_id(), str(unique_id), prompt)
+        report = build_report(prompt_context.current_prompt_id(), str(unique_id), prompt)
         folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory())
         base = f"{name}_{counter:05}_"
         chart = report.save_chart(os.path.join(folder, base + ".png"))
         report.save_json(os.path.join(folder, base + ".json"))
         entry = {"subfolder": subfolder, "type": "output"}
         images = [{**entry, "filename": base + ".png"}] if chart else []
-        glue.send_to_client(EVENT, {"node": str(unique_id), "report": report.to_dict(), "table": report.markdown(),
+        prompt_context.send_to_client(EVENT, {"node": str(unique_id), "report": report.to_dict(), "table": report.markdown(),
                      "json": {**entry, "filename": base + ".json"}, "chart": images[0] if images else None,
                      "path": os.path.join(folder, base + ".json")})
         return {"ui": {"images": images}}

@@ -7,7 +7,7 @@ calls computed against reused; the checkpoints sdopt generates have random weigh
 measured on them says nothing about a trained model's images.
 """
 from ..optim.step_cache import MODES, StepCacheConfig, unavailable
-from . import glue
+from . import fast_path, glue
 
 NODE = "SDOptStepCache"
 ON_UNAVAILABLE = ("fallback", "error")
@@ -41,10 +41,10 @@ class SDOptStepCache:
         glue.check_inputs(SDOptStepCache, mode=mode, interval=interval, branch=branch, start=start, end=end, on_unavailable=on_unavailable)
         config = StepCacheConfig(mode, interval, branch, start, end)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
-        blocks = glue.comfy_unet_blocks(model.model.diffusion_model)
+        blocks = fast_path.comfy_unet_blocks(model.model.diffusion_model)
         problem = unavailable(config, model.load_device, blocks=blocks)
-        m, path_note = glue.fast_path_clone(model, NODE, requested, problem, on_unavailable, glue.STEP_CACHE, config)
+        m, path_note = fast_path.fast_path_clone(model, NODE, requested, problem, on_unavailable, fast_path.STEP_CACHE, config)
         if path_note is not None:
-            glue.fast_path_of(m).notes[NODE] = lambda: QUALITY_NOTE
+            fast_path.fast_path_of(m).notes[NODE] = lambda: QUALITY_NOTE
             glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, QUALITY_NOTE])))
         return (m,)

@@ -12,7 +12,7 @@ import copy
 from ..errors import UserError
 from ..measure.record import record
 from ..optim.tiled_vae import DECODE, ENCODE, TiledVAEConfig, UnsupportedVAE, check_overlap, check_tile, tiled_decode, tiled_encode, unsupported_reason
-from . import glue
+from . import glue, prompt_context
 
 NODE = "SDOptTiledVAE"
 
@@ -114,9 +114,9 @@ class SDOptTiledVAE:
                 stand_in.first_stage_model = _TilingAutoencoder(self.first_stage_model, config, calls)
                 output = inner(stand_in, *args, **kwargs)
                 if calls:  # one entry per kind, the last call's, for the prompt being run
-                    tally = tallies.setdefault(glue.current_prompt_id(), {})
+                    tally = tallies.setdefault(prompt_context.current_prompt_id(), {})
                     tally[name] = calls[-1] + (f" (x{len(calls)} batches)" if len(calls) > 1 else "")
-                    record(glue.prompt_log().records, NODE, requested, "; ".join(tally[k] for k in sorted(tally)))
+                    record(prompt_context.prompt_log().records, NODE, requested, "; ".join(tally[k] for k in sorted(tally)))
                 return output
 
             return call

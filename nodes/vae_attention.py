@@ -9,7 +9,7 @@ import contextlib
 
 from ..measure.record import record
 from ..optim.attention import build_attention, channel_attention, summarize_decisions
-from . import glue
+from . import glue, prompt_context
 from .attention import attention_inputs, configure, shortfall
 
 NODE = "SDOptVAEAttention"
@@ -64,7 +64,7 @@ class SDOptVAEAttention:
                     output = inner(self, *args, **kwargs)
                 if attention.decisions:
                     picked, why = summarize_decisions(attention.decisions)
-                    record(glue.prompt_log().records, NODE, backend, picked, why, shortfall(backend, picked))
+                    record(prompt_context.prompt_log().records, NODE, backend, picked, why, shortfall(backend, picked))
                 return output
 
             return call

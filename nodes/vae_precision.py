@@ -12,7 +12,7 @@ from ..errors import UserError
 from ..measure.profiler import format_mib
 from ..measure.record import record
 from ..optim.precision import AUTO, COMPUTE_DTYPES, check_compute_dtype, converted_copy, dtype_name, parse_dtype, pick_dtype, run_with_nan_guard, safe_dtype, weight_bytes
-from . import glue
+from . import glue, prompt_context
 from .glue import DEFAULT
 
 NODE = "SDOptVAEPrecision"
@@ -34,7 +34,7 @@ def _guarded(vae, source, requested: str, active: str):
                 lambda: inner(self, *args, **kwargs),
                 lambda dtype: getattr(safe_vaes.get(dtype) or safe_vaes.setdefault(dtype, _in_dtype(source, dtype)), method)(*args, **kwargs),
                 self.vae_dtype, self.device)
-            counts, last = tally.setdefault(glue.current_prompt_id(), (Counter(), {}))
+            counts, last = tally.setdefault(prompt_context.current_prompt_id(), (Counter(), {}))
             if result.redone or not result.finite:
                 counts[(f"redid {{}} in {dtype_name(result.redone_in[-1])}" if result.redone else "could not redo {}", method.split("_")[0])] += 1
                 last["note"] = f"last {method}: {result.describe()}"
@@ -43,7 +43,7 @@ def _guarded(vae, source, requested: str, active: str):
                 done = "; ".join(text.format(f"{n} {op}{'s' * (n > 1)}") for (text, op), n in sorted(counts.items()))
                 failed = last.get("nonfinite", 0)
                 short = f"NaN/Inf left in {failed} output(s), redone or not" if failed else ""
-                record(glue.prompt_log().records, NODE, requested, f"{active} (NaN guard {done})", last["note"], short)
+                record(prompt_context.prompt_log().records, NODE, requested, f"{active} (NaN guard {done})", last["note"], short)
             return result.output
         return guarded
 

@@ -164,7 +164,7 @@ def _run_cell(host, model, vae, memory: PeakMemory, size: int, conds, steps: int
         image, decode_s = timed_decode(vae, samples)
     # The profiler's run reset the peak when sampling began; this reading covers sampling and decode.
     peak = max(run["peak_memory_bytes"], memory.read().peak_bytes)
-    records = run["optimizations"] + host.pack("nodes.glue").prompt_log(prompt_id).records
+    records = run["optimizations"] + host.pack("nodes.prompt_context").prompt_log(prompt_id).records
     return image, run["sampler_total_s"], decode_s, peak, optimization_notes(records)
 
 

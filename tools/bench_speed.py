@@ -237,7 +237,7 @@ def profiled_sample(host, model, label: str, latent: dict, conds, steps: int):
         if out.device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - started
-    (run,) = host.pack("nodes.glue").prompt_log(prompt_id).runs
+    (run,) = host.pack("nodes.prompt_context").prompt_log(prompt_id).runs
     return out, run, wall
 
 

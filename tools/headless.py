@@ -152,7 +152,7 @@ class _Server:
         self.events.append((event, data))
         # execution_cached is the first event after ComfyUI resets the progress registry.
         if event == "execution_cached":
-            from ..nodes.glue import install_node_timer
+            from ..nodes.prompt_context import install_node_timer
 
             install_node_timer(data["prompt_id"])
 

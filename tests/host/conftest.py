@@ -9,9 +9,9 @@ same helpers (``load_checkpoint``, ``sample``, ``checkpoint``). A test that take
 once per family; ``sdxl_checkpoint`` is the SDXL file's path, for workflows and benches.
 
 ComfyUI imports the pack under a module name of its own, so module state (the prompt logs in
-``nodes.glue``, the profiler's active run, the report node's last figures, the ``UserError``
-class) lives in that copy: tests reach it through ``comfy_host.pack("nodes.glue")``, never
-through the ``sdopt`` they import.
+``nodes.prompt_context``, the profiler's active run, the report node's last figures, the ``UserError``
+class) lives in that copy: tests reach it through ``comfy_host.pack("nodes.prompt_context")`` (or
+``comfy_host.glue``, ``.prompt_context``, ``.fast_path``), never through the ``sdopt`` they import.
 """
 import copy
 import os
@@ -100,6 +100,14 @@ class ComfyHostFixture:
     @property
     def glue(self):
         return self.pack("nodes.glue")
+
+    @property
+    def prompt_context(self):
+        return self.pack("nodes.prompt_context")
+
+    @property
+    def fast_path(self):
+        return self.pack("nodes.fast_path")
 
     @cached_property
     def _conds(self):
@@ -211,7 +219,7 @@ def sdxl_checkpoint(comfy_host) -> Path:
 @pytest.fixture
 def prompt_context(comfy_host):
     """A fresh prompt id set as ComfyUI's executing context, as while a node runs; records filed
-    by decodes land in ``comfy_host.glue.prompt_log(prompt_id)``."""
+    by decodes land in ``comfy_host.prompt_context.prompt_log(prompt_id)``."""
     from comfy_execution.utils import CurrentNodeContext
 
     prompt_id = f"test-{uuid.uuid4().hex}"

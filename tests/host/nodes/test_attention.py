@@ -132,7 +132,7 @@ def test_missing_package_falls_back_or_raises(comfy_host, family_mini, no_xforme
 def test_vae_node_patches_only_during_decode(comfy_host, mini, backend):
     from comfy_execution.utils import CurrentNodeContext
 
-    glue = comfy_host.glue
+    prompts = comfy_host.prompt_context
     vae, latent = mini["vae"], mini["stock"]
     blocks = comfy_host.pack("nodes.vae_attention").attention_blocks(vae)
     assert blocks, "the SD VAE has mid-block attention"
@@ -149,7 +149,7 @@ def test_vae_node_patches_only_during_decode(comfy_host, mini, backend):
     assert (tiled - expected_tiled).abs().max().item() <= VAE_ATOL
     assert [block.optimized_attention for block in blocks] == stock_attention, "restored after the decode"
     assert torch.equal(vae.decode(latent), expected), "the given VAE keeps the stock attention"
-    (record,) = glue.prompt_log(prompt_id).records
+    (record,) = prompts.prompt_log(prompt_id).records
     assert record["node"] == "SDOptVAEAttention" and record["requested"] == backend
     assert record["active"] != "auto (pending)"
     if backend == "sub_quadratic":

@@ -49,7 +49,7 @@ def compiled(comfy_host, model, mode="compile", backend="inductor", on_unavailab
 
 
 def fast_path(comfy_host, model):
-    return comfy_host.glue.fast_path_of(model)
+    return comfy_host.fast_path.fast_path_of(model)
 
 
 def close(out, reference):
@@ -167,11 +167,11 @@ def test_cuda_graph_passes_through_on_a_cpu_and_says_so(request, comfy_host, fam
 def test_compile_then_graph_share_one_fast_path(comfy_host, mini):
     model, _ = mini
     patched = compiled(comfy_host, model, "trace")
-    assert comfy_host.wrapper_counts(patched, comfy_host.glue.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
+    assert comfy_host.wrapper_counts(patched, comfy_host.fast_path.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
     again = compiled(comfy_host, patched, "compile_regional")
     assert fast_path(comfy_host, again).compile_config.mode == "compile_regional"
     assert fast_path(comfy_host, patched).compile_config.mode == "trace", "the upstream clone keeps its own fast path"
-    assert comfy_host.wrapper_counts(again, comfy_host.glue.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
+    assert comfy_host.wrapper_counts(again, comfy_host.fast_path.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
 
 
 # SDXL through aot_eager: dynamo captures the same graph as on inductor, which is what is counted here.
@@ -187,7 +187,7 @@ def test_compile_wired_alone_compiles_once_and_its_record_says_how_attention_ran
     (stats,), _ = fast_path(comfy_host, patched).stats()
     assert stats.compilations == 1, stats.summary()
     assert (stats.graph_breaks, stats.gave_up, stats.reused) == ({}, {}, {}), stats.details()
-    (run,) = comfy_host.glue.prompt_log(prompt_context).runs
+    (run,) = comfy_host.prompt_context.prompt_log(prompt_context).runs
     (record,) = [o for o in run["optimizations"] if o["node"] == "SDOptCompile"]
     host_attention = comfy_host.glue.comfy_attention().optimized_attention
     dtype = loaded.model.manual_cast_dtype or loaded.model_dtype()

@@ -20,7 +20,7 @@ def _profiled(comfy_host, model):
 
 
 def _run_record(comfy_host, prompt_id):
-    (record,) = [r for r in comfy_host.glue.prompt_log(prompt_id).runs[-1]["optimizations"] if r["node"] == "SDOptOffload"]
+    (record,) = [r for r in comfy_host.prompt_context.prompt_log(prompt_id).runs[-1]["optimizations"] if r["node"] == "SDOptOffload"]
     return record
 
 

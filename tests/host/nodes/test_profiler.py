@@ -9,7 +9,7 @@ NODE = "SDOptProfiler"
 
 def test_profiled_clone_samples_bit_identically_and_files_a_run(family_host, prompt_context):
     model = family_host.load_checkpoint()[0]
-    glue = family_host.glue
+    prompts = family_host.prompt_context
     wrappers_before = {kind: dict(keys) for kind, keys in model.wrappers.items()}
     stock = family_host.sample(model)
     (profiled,) = family_host.nodes[NODE]().apply(model, "  unit  ")
@@ -18,7 +18,7 @@ def test_profiled_clone_samples_bit_identically_and_files_a_run(family_host, pro
     assert torch.equal(out, stock), "profiling must not change the result"
     assert {kind: dict(keys) for kind, keys in model.wrappers.items()} == wrappers_before
     assert torch.equal(family_host.sample(model), stock)
-    (run,) = glue.prompt_log(prompt_context).runs
+    (run,) = prompts.prompt_log(prompt_context).runs
     assert run["label"] == "unit" and len(run["steps"]) == 2
     assert run["model_family"] == family_host.model_family.title
     assert run["sampler_total_s"] >= sum(step["seconds"] for step in run["steps"])
@@ -32,7 +32,7 @@ def test_run_carries_the_model_records(comfy_host, prompt_context):
     (profiled,) = comfy_host.nodes[NODE]().apply(first, "second")
     assert comfy_host.wrapper_counts(profiled, NODE) == {"outer_sample": 1, "sampler_sample": 1}, "chained: replaced, not stacked"
     comfy_host.sample(profiled)
-    (run,) = comfy_host.glue.prompt_log(prompt_context).runs
+    (run,) = comfy_host.prompt_context.prompt_log(prompt_context).runs
     assert run["label"] == "second" and len(run["steps"]) == 2
     (record,) = run["optimizations"]
     assert record["node"] == "SDOptPrecision" and record["requested"].startswith("weight=default, compute=fp32")

@@ -20,7 +20,7 @@ def cached(host, model, interval=3, branch=0, start=0.0, end=1.0, on_unavailable
 
 
 def schedule_stats(host, model):
-    return host.glue.fast_path_of(model).schedule.stats
+    return host.fast_path.fast_path_of(model).schedule.stats
 
 
 def close(out, reference):
@@ -89,7 +89,7 @@ def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(comfy_host, s
     for strength in (1.0, 0.5, 1.0):
         expected = comfy_host.sample(comfy_host.with_lora(eager_cached, lora, strength), STEPS)
         assert close(comfy_host.sample(comfy_host.with_lora(compiled, lora, strength), STEPS), expected), f"strength {strength}"
-    compile_stats, _ = comfy_host.glue.fast_path_of(compiled).stats()
+    compile_stats, _ = comfy_host.fast_path.fast_path_of(compiled).stats()
     assert sorted(s.compilations for s in compile_stats) == [1, 1], "one trace for the full call, one for the shallow call"
 
 
@@ -101,7 +101,7 @@ def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(family_host
     with pytest.raises(Exception, match=f"branch: branch 11 is past the UNet's {depth} skip levels; choose a branch below {depth}"):
         cached(family_host, model, branch=11, on_unavailable="error")
     passed = cached(family_host, model, branch=11)
-    assert family_host.glue.fast_path_of(passed) is None
+    assert family_host.fast_path.fast_path_of(passed) is None
     assert torch.equal(family_host.sample(passed, STEPS), reference)
 
 
@@ -119,8 +119,8 @@ def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_n
 
     before = traced(easycache(model))
     assert close(host.sample(before, STEPS), host.sample(easycache(model), STEPS))
-    fast = host.glue.fast_path_of(before)
+    fast = host.fast_path.fast_path_of(before)
     assert not fast.eager_reasons and [s.compilations for s in fast.stats()[0]] == [1]
     after = easycache(traced(model))
     host.sample(after, STEPS)
-    assert set(host.glue.fast_path_of(after).eager_reasons) == {"another DIFFUSION_MODEL wrapper runs inside this one"}
+    assert set(host.fast_path.fast_path_of(after).eager_reasons) == {"another DIFFUSION_MODEL wrapper runs inside this one"}

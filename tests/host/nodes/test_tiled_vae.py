@@ -63,7 +63,7 @@ def tiled(comfy_host, vae, tile=TILE, overlap=0, only_when_needed=False, budget_
 
 
 def records(comfy_host, prompt_id) -> dict[str, dict]:
-    return {r["node"]: r for r in comfy_host.glue.prompt_log(prompt_id).records}
+    return {r["node"]: r for r in comfy_host.prompt_context.prompt_log(prompt_id).records}
 
 
 def test_inputs_and_their_defaults(comfy_host):

@@ -49,7 +49,7 @@ def test_every_backend_decodes_sdxl_like_the_unpatched_vae(comfy_host, vae, late
         out = decode(patched, latent)
         assert out.shape == reference.shape
         assert (out - reference).abs().max().item() <= ATOL, backend
-        record = {r["node"]: r for r in comfy_host.glue.prompt_log(prompt_context).records}[NODE]
+        record = {r["node"]: r for r in comfy_host.prompt_context.prompt_log(prompt_context).records}[NODE]
         assert record["requested"] == backend and record["active"], record
         assert [block.optimized_attention for block in blocks] == before, "the input VAE keeps its attention"
     assert torch.equal(decode(vae, latent), reference)

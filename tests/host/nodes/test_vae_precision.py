@@ -50,7 +50,7 @@ def decode(vae, latent):
 
 
 def prompt_records(comfy_host, prompt_id) -> dict[str, dict]:
-    return {r["node"]: r for r in comfy_host.glue.prompt_log(prompt_id).records}
+    return {r["node"]: r for r in comfy_host.prompt_context.prompt_log(prompt_id).records}
 
 
 def test_dtype_is_auto_by_default(comfy_host):

@@ -1,8 +1,7 @@
 """nodes.glue and the node-side wrappers against fakes of ComfyUI's APIs (0.3.x, 0.33 and 0.38 shapes).
 
 ComfyUI is never imported here: every ``comfy*`` module a function imports lazily is a fake put into
-``sys.modules`` for one test, built from what the real one offers (attribute names, signatures, data
-layout of ``wrappers``). The host tier runs the same code against real ComfyUI.
+``sys.modules`` for one test (comfy_fakes.py). The host tier runs the same code against real ComfyUI.
 """
 import copy
 import gc
@@ -10,7 +9,6 @@ import re
 import sys
 import types
 import uuid
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -21,69 +19,14 @@ from sdopt.measure.profiler import SamplingRun, active_run
 from sdopt.nodes import attention as attention_node
 from sdopt.nodes import glue
 from sdopt.nodes import profiler as profiler_node
+from sdopt.nodes import prompt_context
 from sdopt.optim.attention import backend_function, naive_attention
 from sdopt.optim.precision import converted_copy
 
-PROMPT = "prompt-1"
+from .comfy_fakes import (PROMPT, SD15, SDXL, SSD1B, FastPatcher, Flux, TinyXLUNet, WrappedPatcher, base_model, install, keyed_wrappers,
+                          sdxl_vector, unet_inputs)
 
-
-def install(monkeypatch, name: str, **attrs) -> types.ModuleType:
-    """A fake module ``name`` in ``sys.modules`` for this test, also set on its (fake) parent package,
-    as ``import a.b`` and ``a.b.x`` need."""
-    module = types.ModuleType(name)
-    module.__dict__.update(attrs)
-    parent, _, child = name.rpartition(".")
-    if parent:
-        if parent not in sys.modules:
-            install(monkeypatch, parent)
-        monkeypatch.setattr(sys.modules[parent], child, module, raising=False)
-    else:
-        module.__path__ = []  # a package, so submodules import
-    monkeypatch.setitem(sys.modules, name, module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def no_comfyui():
-    """The unit tier must never see the real ComfyUI, before or after a test's fakes."""
-    assert not any(name == "comfy" or name.startswith("comfy.") for name in sys.modules if not _is_fake(name))
-    yield
-    assert "comfy" not in sys.modules, "fakes are removed after each test"
-
-
-def _is_fake(name):
-    return getattr(sys.modules[name], "__file__", None) is None
-
-
-@pytest.fixture
-def prompts(monkeypatch):
-    """A fresh per-prompt log, with ``PROMPT`` as the executing prompt."""
-    monkeypatch.setattr(glue, "_prompts", OrderedDict())
-    monkeypatch.setattr(glue, "current_prompt_id", lambda: PROMPT)
-    return glue._prompts
-
-
-# ComfyUI's ``supported_models`` classes, as the type of ``model.model.model_config``: sdopt knows a
-# family by these names (a fine-tune's config subclasses its base's).
-class SD15:
-    pass
-
-
-class SDXL:
-    pass
-
-
-class SSD1B(SDXL):
-    pass
-
-
-class Flux:
-    pass
-
-
-def _base_model(config_class):
-    """A BaseModel as the family lookup sees it."""
-    return types.SimpleNamespace(model_config=config_class())
+pytestmark = pytest.mark.usefixtures("no_comfyui")
 
 
 # --- a. rebased: a patcher of another module with the same recipe ------------------------------------
@@ -476,55 +419,6 @@ def test_a_chained_vae_copy_converts_the_weights_before_any_sdopt_copy(model_man
 
 # --- e. keyed wrappers -----------------------------------------------------------------------------------
 
-
-class WrappersMP:
-    OUTER_SAMPLE = "outer_sample"
-    PREPARE_SAMPLING = "prepare_sampling"
-    SAMPLER_SAMPLE = "sampler_sample"
-    PREDICT_NOISE = "predict_noise"
-    CALC_COND_BATCH = "calc_cond_batch"
-    APPLY_MODEL = "apply_model"
-    DIFFUSION_MODEL = "diffusion_model"
-
-    @classmethod
-    def init_wrappers(cls):
-        return {}
-
-
-class WrappedPatcher:
-    """ComfyUI's wrapper bookkeeping: ``wrappers[type][key] = [fn, ...]``, copied by ``clone``."""
-
-    def __init__(self):
-        self.wrappers = {}
-        self.model_options = {"transformer_options": {}}
-
-    def clone(self):
-        n = WrappedPatcher()
-        n.wrappers = {k: {k1: w.copy() for k1, w in v.items()} for k, v in self.wrappers.items()}
-        n.model_options = copy.deepcopy(self.model_options)
-        return n
-
-    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
-        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
-
-    def remove_wrappers_with_key(self, wrapper_type, key):
-        w = self.wrappers.get(wrapper_type, {})
-        if key in w:
-            w.pop(key)
-
-    def get_wrappers(self, wrapper_type, key):
-        return self.wrappers.get(wrapper_type, {}).get(key, [])
-
-
-@pytest.fixture
-def patcher_extension(monkeypatch):
-    return install(monkeypatch, "comfy.patcher_extension", WrappersMP=WrappersMP)
-
-
-def _keyed(patcher, key):
-    return {kind: by_key[key] for kind, by_key in patcher.wrappers.items() if key in by_key}
-
-
 def test_patched_clone_replaces_its_own_key_and_keeps_others(patcher_extension):
     def f1(executor, *a, **k): ...
     def f2(executor, *a, **k): ...
@@ -535,21 +429,21 @@ def test_patched_clone_replaces_its_own_key_and_keeps_others(patcher_extension):
     model.add_wrapper_with_key("outer_sample", "someone_else", other)
     model.add_wrapper_with_key("apply_model", "someone_else", other)
     first = glue.patched_clone(model, "SDOptProfiler", {"OUTER_SAMPLE": f1, "SAMPLER_SAMPLE": f2})
-    assert _keyed(first, "SDOptProfiler") == {"outer_sample": [f1], "sampler_sample": [f2]}
+    assert keyed_wrappers(first, "SDOptProfiler") == {"outer_sample": [f1], "sampler_sample": [f2]}
     second = glue.patched_clone(first, "SDOptProfiler", {"OUTER_SAMPLE": g1})
-    assert _keyed(second, "SDOptProfiler") == {"outer_sample": [g1]}, "the second call's wrappers only"
-    assert _keyed(second, "someone_else") == {"outer_sample": [other], "apply_model": [other]}
-    assert _keyed(first, "SDOptProfiler") == {"outer_sample": [f1], "sampler_sample": [f2]}, "the input clone is unchanged"
-    assert _keyed(model, "SDOptProfiler") == {}
+    assert keyed_wrappers(second, "SDOptProfiler") == {"outer_sample": [g1]}, "the second call's wrappers only"
+    assert keyed_wrappers(second, "someone_else") == {"outer_sample": [other], "apply_model": [other]}
+    assert keyed_wrappers(first, "SDOptProfiler") == {"outer_sample": [f1], "sampler_sample": [f2]}, "the input clone is unchanged"
+    assert keyed_wrappers(model, "SDOptProfiler") == {}
     third = glue.patched_clone(second, "SDOptProfiler")
-    assert _keyed(third, "SDOptProfiler") == {} and _keyed(third, "someone_else") == _keyed(model, "someone_else")
+    assert keyed_wrappers(third, "SDOptProfiler") == {} and keyed_wrappers(third, "someone_else") == keyed_wrappers(model, "someone_else")
 
 
 def test_set_wrappers_in_place_twice(patcher_extension):
     model = WrappedPatcher()
     glue.set_wrappers(model, "K", {"APPLY_MODEL": print})
     glue.set_wrappers(model, "K", {"APPLY_MODEL": repr, "DIFFUSION_MODEL": repr})
-    assert _keyed(model, "K") == {"apply_model": [repr], "diffusion_model": [repr]}
+    assert keyed_wrappers(model, "K") == {"apply_model": [repr], "diffusion_model": [repr]}
     with pytest.raises(AttributeError):
         glue.set_wrappers(model, "K", {"NO_SUCH_TYPE": repr})
 
@@ -617,12 +511,12 @@ def test_wrapped_vae_files_its_records_on_every_call(prompts):
     assert out.decode(3) == 6 and out.encode(4) == 2
     assert log == [("one", "decode", out), ("one", "encode", out)]
     assert vae.calls == [("decode", 3), ("encode", 4)], "the shared state is the input's (a shallow copy)"
-    assert glue.prompt_log(PROMPT).records == [{"node": "SDOptVAEPrecision", "requested": "fp16", "active": "fp16", "note": "", "short": ""}]
+    assert prompt_context.prompt_log(PROMPT).records == [{"node": "SDOptVAEPrecision", "requested": "fp16", "active": "fp16", "note": "", "short": ""}]
     out.decode(1)
-    assert len(glue.prompt_log(PROMPT).records) == 1, "one record per node, however many calls"
-    glue._prompts.clear()
+    assert len(prompt_context.prompt_log(PROMPT).records) == 1, "one record per node, however many calls"
+    prompt_context._prompts.clear()
     out.decode(1)  # a later prompt served this VAE node from cache: the record comes again
-    assert glue.prompt_log(PROMPT).records[0]["node"] == "SDOptVAEPrecision"
+    assert prompt_context.prompt_log(PROMPT).records[0]["node"] == "SDOptVAEPrecision"
     assert not hasattr(out, "decode_tiled"), "methods the VAE lacks are not invented"
 
 
@@ -630,7 +524,7 @@ def test_input_vae_methods_are_unchanged(prompts):
     vae = FakeVAE()
     glue.wrap_vae_methods(vae, _tracing([], "one"))
     assert "decode" not in vars(vae) and vae.decode.__func__ is FakeVAE.decode
-    assert vae.decode(2) == 4 and glue.prompt_log(PROMPT).records == []
+    assert vae.decode(2) == 4 and prompt_context.prompt_log(PROMPT).records == []
 
 
 def test_chained_copies_run_every_wrapper_on_their_own_self(prompts):
@@ -641,7 +535,7 @@ def test_chained_copies_run_every_wrapper_on_their_own_self(prompts):
     glue.record_vae(second, "SDOptVAEAttention", "sdpa", "sdpa")
     assert second.decode(5) == 10
     assert log == [("second", "decode", second), ("first", "decode", second)]
-    assert [r["node"] for r in glue.prompt_log(PROMPT).records] == ["SDOptVAEPrecision", "SDOptVAEAttention"]
+    assert [r["node"] for r in prompt_context.prompt_log(PROMPT).records] == ["SDOptVAEPrecision", "SDOptVAEAttention"]
     assert [r["node"] for r in first.sdopt_records] == ["SDOptVAEPrecision"], "a later node's record stays on its copy"
     log.clear()
     first.decode(1)
@@ -660,85 +554,7 @@ def test_copy_vae_rebinds_methods_and_copies_records():
     assert vae.sdopt_records[0]["active"] == "y"
 
 
-# --- the per-prompt context -----------------------------------------------------------------------------
-
-
-def test_prompt_log_keeps_the_latest_prompts(monkeypatch):
-    monkeypatch.setattr(glue, "_prompts", OrderedDict())
-    logs = [glue.prompt_log(str(i)) for i in range(glue._KEPT_PROMPTS + 3)]
-    assert list(glue._prompts) == [str(i) for i in range(3, glue._KEPT_PROMPTS + 3)]
-    assert glue.prompt_log(str(glue._KEPT_PROMPTS + 2)) is logs[-1]
-
-
-def test_current_prompt_and_node_ids(monkeypatch):
-    assert glue.current_prompt_id() == "" and glue.current_node_id() is None, "no ComfyUI: no prompt"
-    server = install(monkeypatch, "server", PromptServer=types.SimpleNamespace(instance=types.SimpleNamespace(last_prompt_id="from-server")))
-    assert glue.current_prompt_id() == "from-server"
-    server.PromptServer.instance = None
-    assert glue.current_prompt_id() == ""
-    context = types.SimpleNamespace(prompt_id="from-context", node_id="7")
-    install(monkeypatch, "comfy_execution.utils", get_executing_context=lambda: context)
-    assert glue.current_prompt_id() == "from-context" and glue.current_node_id() == "7"
-
-
-class ProgressHandler:
-    """comfy_execution.progress.ProgressHandler (≈0.3.45+), as far as the timer uses it."""
-
-    def __init__(self, name):
-        self.name, self.enabled = name, True
-
-    def set_registry(self, registry):
-        pass
-
-    def start_handler(self, node_id, state, prompt_id):
-        pass
-
-    def finish_handler(self, node_id, state, prompt_id):
-        pass
-
-
-@pytest.fixture
-def progress(monkeypatch):
-    """A fake progress registry for prompt ``PROMPT`` whose graph has nodes 3 (KSampler) and 8 (VAEDecode)."""
-    registry = types.SimpleNamespace(
-        prompt_id=PROMPT, handlers={},
-        dynprompt=types.SimpleNamespace(original_prompt={"3": {"class_type": "KSampler"}, "8": {"class_type": "VAEDecode"}}),
-    )
-
-    def add_progress_handler(handler):
-        handler.set_registry(registry)
-        registry.handlers[handler.name] = handler
-
-    install(monkeypatch, "comfy_execution.progress", ProgressHandler=ProgressHandler, get_progress_state=lambda: registry,
-            add_progress_handler=add_progress_handler)
-    install(monkeypatch, "comfy.model_management", get_torch_device=lambda: torch.device("cpu"))
-    return registry
-
-
-def test_node_timer_times_the_executing_node_and_later_ones(progress):
-    assert glue.install_node_timer(PROMPT, "3") is True
-    handler = progress.handlers[glue.HANDLER_NAME]
-    assert glue.install_node_timer(PROMPT, "3") is True and progress.handlers[glue.HANDLER_NAME] is handler, "one timer per prompt"
-    handler.finish_handler("3", None, PROMPT)
-    handler.start_handler("8", None, PROMPT)
-    handler.finish_handler("8", None, PROMPT)
-    handler.finish_handler("99", None, PROMPT)  # never started here (cached): not listed
-    timings = glue.node_timings(PROMPT)
-    assert [(n["id"], n["class_type"]) for n in timings] == [("3", "KSampler"), ("8", "VAEDecode")]
-    assert all(n["seconds"] >= 0 and n["peak_memory_bytes"] > 0 for n in timings)
-    timings.clear()
-    assert len(glue.node_timings(PROMPT)) == 2, "callers get a copy"
-
-
-def test_node_timer_only_for_the_running_prompt(progress):
-    assert glue.install_node_timer("another prompt") is False and progress.handlers == {}
-    assert glue.node_timings("another prompt") == []
-    assert glue.install_node_timer(PROMPT) is True
-    assert glue.node_timings(PROMPT) == [], "no node has finished yet"
-
-
-def test_node_timer_without_a_progress_registry():
-    assert glue.install_node_timer(PROMPT, "3") is False and glue.node_timings(PROMPT) == []
+def test_comfyui_version_without_comfyui():
     assert glue.comfyui_version() is None
 
 
@@ -960,7 +776,7 @@ class OuterExecutor:
     """ComfyUI's OUTER_SAMPLE executor: ``class_obj`` is the guider; sampling runs the inner wrapper."""
 
     def __init__(self, records, config_class=None):
-        patcher = types.SimpleNamespace(load_device="cpu", model=_base_model(config_class or SD15))
+        patcher = types.SimpleNamespace(load_device="cpu", model=base_model(config_class or SD15))
         self.class_obj = types.SimpleNamespace(model_patcher=patcher, model_options={glue.RECORDS_KEY: records})
         self.calls = []
 
@@ -972,8 +788,8 @@ class OuterExecutor:
 
 def test_outer_sample_files_a_run_and_passes_new_arguments(prompts, monkeypatch):
     timers = []
-    monkeypatch.setattr(glue, "install_node_timer", lambda prompt_id, node_id=None: timers.append((prompt_id, node_id)))
-    monkeypatch.setattr(glue, "current_node_id", lambda: "5")
+    monkeypatch.setattr(prompt_context, "install_node_timer", lambda prompt_id, node_id=None: timers.append((prompt_id, node_id)))
+    monkeypatch.setattr(prompt_context, "current_node_id", lambda: "5")
     records = [{"node": "SDOptAttention", "requested": "auto", "active": "auto (pending)", "note": ""}]
     executor = OuterExecutor(records)
     outer = profiler_node._outer_sample("fp16 run")
@@ -981,284 +797,47 @@ def test_outer_sample_files_a_run_and_passes_new_arguments(prompts, monkeypatch)
     assert out == "samples"
     assert executor.calls == [(("noise", "latent", "sampler", "sigmas", None, None, False, 42), {"latent_shapes": [(1, 4, 8, 8)]})]
     assert timers == [(PROMPT, "5")]
-    (run,) = glue.prompt_log(PROMPT).runs
+    (run,) = prompt_context.prompt_log(PROMPT).runs
     assert run["label"] == "fp16 run" and len(run["steps"]) == 4 and run["memory_kind"] == "ram_rss"
     assert run["model_family"] == "SD1.5"
     assert run["optimizations"] == records and run["optimizations"][0] is not records[0]
     assert active_run() is None
     outer(executor, "noise", "latent", "sampler", "sigmas")
-    assert len(glue.prompt_log(PROMPT).runs) == 2, "every sampling run is filed"
+    assert len(prompt_context.prompt_log(PROMPT).runs) == 2, "every sampling run is filed"
 
 
 @pytest.mark.parametrize("config_class,family", [(SSD1B, "SDXL"), (Flux, "family unknown (Flux)")])
 def test_each_run_names_the_model_family(prompts, monkeypatch, config_class, family):
-    monkeypatch.setattr(glue, "install_node_timer", lambda *a: False)
-    monkeypatch.setattr(glue, "current_node_id", lambda: "5")
+    monkeypatch.setattr(prompt_context, "install_node_timer", lambda *a: False)
+    monkeypatch.setattr(prompt_context, "current_node_id", lambda: "5")
     profiler_node._outer_sample("run")(OuterExecutor([], config_class), "noise")
-    assert glue.prompt_log(PROMPT).runs[-1]["model_family"] == family
+    assert prompt_context.prompt_log(PROMPT).runs[-1]["model_family"] == family
 
 
 def test_outer_sample_counts_dynamic_vram_where_comfyui_0_38_maps_it(prompts, monkeypatch):
-    monkeypatch.setattr(glue, "install_node_timer", lambda *a: False)
-    monkeypatch.setattr(glue, "current_node_id", lambda: "5")
+    monkeypatch.setattr(prompt_context, "install_node_timer", lambda *a: False)
+    monkeypatch.setattr(prompt_context, "current_node_id", lambda: "5")
     outer = profiler_node._outer_sample("dynamic")
     install(monkeypatch, "comfy.memory_management", aimdo_enabled=False)
     install(monkeypatch, "comfy_aimdo.control", get_total_vram_usage=lambda: 3 * 2**30)
     outer(OuterExecutor([]), "noise")
-    assert glue.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] is None, "aimdo off: nothing to count"
+    assert prompt_context.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] is None, "aimdo off: nothing to count"
     sys.modules["comfy.memory_management"].aimdo_enabled = True
     outer(OuterExecutor([]), "noise")
-    assert glue.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] == 3 * 2**30
+    assert prompt_context.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] == 3 * 2**30
     monkeypatch.setitem(sys.modules, "comfy_aimdo", None)  # enabled, but the package cannot be imported
     assert glue.dynamic_vram_probe() is None
 
 
 def test_profiler_node_clones_with_its_wrappers(patcher_extension, prompts, monkeypatch):
-    monkeypatch.setattr(glue, "install_node_timer", lambda *a: False)
+    monkeypatch.setattr(prompt_context, "install_node_timer", lambda *a: False)
     model = WrappedPatcher()
     (out,) = profiler_node.SDOptProfiler().apply(model, "  base  ")
-    keyed = _keyed(out, profiler_node.NODE)
+    keyed = keyed_wrappers(out, profiler_node.NODE)
     assert set(keyed) == {"outer_sample", "sampler_sample"} and keyed["sampler_sample"] == [profiler_node._sampler_sample]
-    assert _keyed(model, profiler_node.NODE) == {}
+    assert keyed_wrappers(model, profiler_node.NODE) == {}
     with pytest.raises(UserError, match="^label: "):
         profiler_node.SDOptProfiler().apply(model, "   ")
-
-
-# --- the fast path (SDOptCompile / SDOptCUDAGraph) --------------------------------------------------
-
-
-class TinyUNet(nn.Module):
-    """ComfyUI's UNetModel calling convention: ``_forward(x, timesteps, context, y, control, transformer_options)``."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.conv = nn.Conv2d(4, 4, 3, padding=1)
-        self.proj = nn.Linear(8, 4)
-        self.seen_options = []
-
-    def _forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}):
-        self.seen_options.append(sorted(transformer_options))
-        return self.conv(x) * timesteps[:, None, None, None] + self.proj(context).mean(1)[:, :, None, None]
-
-
-class Executor:
-    """ComfyUI's WrapperExecutor as a wrapper receives it: call it to run the rest, ``class_obj`` is the UNet."""
-
-    def __init__(self, unet, wrappers=1, idx=0):
-        self.class_obj, self.wrappers, self.idx, self.calls = unet, [None] * wrappers, idx, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.class_obj._forward(*args, **kwargs)
-
-
-class FastPatcher(WrappedPatcher):
-    load_device = torch.device("cpu")
-
-    def __init__(self, config_class=SD15):
-        super().__init__()
-        self.model = _base_model(config_class)
-
-    def clone(self):
-        n = super().clone()
-        n.__class__ = type(self)
-        n.model = self.model
-        return n
-
-
-class DynamicPatcher(FastPatcher):
-    """0.38's ModelPatcherDynamic as the compile and graph nodes see it."""
-
-    def is_dynamic(self):
-        return True
-
-    def get_non_dynamic_delegate(self):
-        delegate = FastPatcher.clone(self)
-        delegate.__class__ = FastPatcher
-        delegate.model_options["delegate"] = True
-        return delegate
-
-
-def _step(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(2, 4, 8, 8, generator=g), torch.rand(2, generator=g), torch.randn(2, 5, 8, generator=g)
-
-
-def _compile_node(model, mode="trace"):
-    from sdopt.nodes.compile import SDOptCompile
-
-    return SDOptCompile().patch(model, mode, "inductor", "default", False, False, "fallback")[0]
-
-
-def test_compile_node_runs_on_the_non_dynamic_delegate_of_a_dynamic_patcher(patcher_extension):
-    patched = _compile_node(DynamicPatcher())
-    assert patched.model_options.get("delegate") and not hasattr(patched, "is_dynamic")
-    (record,) = glue.model_records(patched.model_options)
-    assert "non-dynamic delegate" in record["note"]
-    plain = _compile_node(FastPatcher())
-    assert "delegate" not in plain.model_options and "non-dynamic" not in glue.model_records(plain.model_options)[0]["note"]
-
-
-@torch.inference_mode()
-def test_fast_path_calls_the_unet_with_tensors_and_stable_options_only(patcher_extension):
-    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
-    unet = TinyUNet()
-    override = object()
-    for seed, steps in ((0, 20), (1, 40), (2, 30)):
-        options = {"optimized_attention_override": override, "sigmas": torch.rand(1), "sample_sigmas": torch.rand(steps + 1), "cond_or_uncond": [1, 0]}
-        x, t, context = _step(seed)
-        executor = Executor(unet)
-        out = fast_path(executor, x, t, context, None, None, options)
-        torch.testing.assert_close(out, unet._forward(x, t, context), rtol=0, atol=0)
-        assert executor.calls == 0, "the compiled path, not the executor, ran"
-    fast_path_calls = [keys for keys in unet.seen_options if keys]
-    assert fast_path_calls and all(keys == ["optimized_attention_override"] for keys in fast_path_calls), "per-step options never reach the UNet"
-    (stats,), graphs = fast_path.stats()
-    assert stats.compilations == 1 and graphs == []
-
-
-@pytest.mark.parametrize("case,reason", [
-    (dict(control={"output": []}), "ControlNet"),
-    (dict(transformer_options={"patches": {"attn1_patch": [print]}}), "transformer patches"),
-    (dict(num_video_frames=torch.ones(1)), "extra model inputs"),
-    (dict(executor=dict(wrappers=2, idx=0)), "another DIFFUSION_MODEL wrapper"),
-])
-@torch.inference_mode()
-def test_fast_path_runs_eager_where_it_cannot_serve_and_counts_why(patcher_extension, case, reason):
-    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
-    unet = TinyUNet()
-    executor = Executor(unet, **case.pop("executor", {}))
-    x, t, context = _step()
-    kwargs = {"control": None, "transformer_options": {}, **case}
-    extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in ("control", "transformer_options")}
-    executor.class_obj._forward = lambda *a, **k: "eager"
-    assert fast_path(executor, x, t, context, None, kwargs["control"], kwargs["transformer_options"], **extra) == "eager"
-    assert executor.calls == 1 and list(fast_path.eager_reasons) and reason in next(iter(fast_path.eager_reasons))
-
-
-def test_compile_and_graph_share_one_fast_path_in_either_order(patcher_extension, monkeypatch):
-    from sdopt.nodes import cuda_graph as graph_node
-
-    monkeypatch.setattr(graph_node, "unavailable", lambda config, device: None)
-    graph = lambda model: graph_node.SDOptCUDAGraph().patch(model, 3, "fallback")[0]  # noqa: E731
-    for model in (graph(_compile_node(FastPatcher())), _compile_node(graph(FastPatcher()))):
-        fast_path = glue.fast_path_of(model)
-        assert fast_path.compile_config.mode == "trace" and fast_path.graph_config.max_graphs == 3
-        assert set(fast_path.requested) == {"SDOptCompile", "SDOptCUDAGraph"}
-        assert _keyed(model, glue.FAST_PATH_KEY) == {"diffusion_model": [fast_path], "sampler_sample": _keyed(model, glue.FAST_PATH_KEY)["sampler_sample"]}
-
-
-def test_graph_node_on_a_cpu_passes_through_or_stops(patcher_extension):
-    from sdopt.nodes.cuda_graph import SDOptCUDAGraph
-
-    (passed,) = SDOptCUDAGraph().patch(FastPatcher(), 4, "fallback")
-    assert glue.fast_path_of(passed) is None
-    assert "CUDA graphs need a CUDA device" in glue.model_records(passed.model_options)[0]["note"]
-    with pytest.raises(UserError, match="^on_unavailable: CUDA graphs need a CUDA device"):
-        SDOptCUDAGraph().patch(FastPatcher(), 4, "error")
-
-
-@torch.inference_mode()
-def test_capture_runs_with_comfyuis_malloc_graph_paused(patcher_extension, monkeypatch):
-    import contextlib
-
-    paused = []
-
-    @contextlib.contextmanager
-    def pause_malloc_graph():
-        paused.append(True)
-        yield
-
-    install(monkeypatch, "comfy.model_prefetch", pause_malloc_graph=pause_malloc_graph)
-    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
-    fast_path(Executor(TinyUNet()), *_step(), None, None, {})
-    assert paused == [True]
-
-
-@torch.inference_mode()
-def test_the_compile_record_says_when_inductor_converts_nchw_conv_weights_every_step(patcher_extension, tmp_path):
-    def record_after_sampling(unet):
-        model = _compile_node(FastPatcher(), "compile")
-        fast_path = glue.fast_path_of(model)
-        fast_path.cache_root = tmp_path
-        fast_path._runner(unet, {})
-        (report,) = _keyed(model, glue.FAST_PATH_KEY)["sampler_sample"]
-        run = SamplingRun("r", "cpu")
-        with run.memory_scope():
-            report(lambda: None)
-        (record,) = [r for r in run.optimizations if r["node"] == "SDOptCompile"]
-        return record["note"]
-
-    unet = TinyUNet()
-    assert f"{4 * 4 * 9 * 4 / 2**20:,.0f} MiB of conv weights are stored NCHW" in record_after_sampling(unet)
-    assert "NCHW" not in record_after_sampling(converted_copy(unet, torch.float32, channels_last=True))
-
-
-def _profiled_steps(fast_path, unet, steps):
-    """The steps of a profiled run whose every step is one fast-path call."""
-    run = SamplingRun("r", "cpu")
-    with run.memory_scope():
-        run.start()
-        for seed in range(steps):
-            fast_path(Executor(unet), *_step(seed), None, None, {})
-            run.step()
-        run.finish()
-    return run.result()
-
-
-@torch.inference_mode()
-def test_the_step_whose_call_compiles_is_warm_up_and_out_of_the_steady_rate(patcher_extension):
-    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
-    result = _profiled_steps(fast_path, TinyUNet(), 4)
-    (stats,), _ = fast_path.stats()
-    assert stats.compilations == 1
-    assert [s["warmup"] for s in result.steps] == [{}, {"compile": stats.compile_seconds}, {}, {}], (
-        "the first call of a shape runs eagerly: the compile lands in step 1"
-    )
-    assert result.steady_steps == [2, 3]
-    assert result.steady_it_per_s == pytest.approx(2 / sum(s["seconds"] for s in result.steps[2:]))
-
-
-class RecomputingCapture:
-    """A capture backend for a CPU: warm-up runs as the CUDA one does, then a 'graph' that recomputes."""
-
-    def capture(self, fn, static_inputs, warmup_runs):
-        from sdopt.optim.cuda_graph import Captured
-
-        for _ in range(warmup_runs):
-            fn(*static_inputs)
-        output = fn(*static_inputs)
-        return Captured(static_inputs, output, lambda: output.copy_(fn(*static_inputs)))
-
-
-@torch.inference_mode()
-def test_the_step_whose_call_captures_is_warm_up_with_the_compile_inside_counted_once(patcher_extension, monkeypatch):
-    from sdopt.nodes import cuda_graph as graph_node
-    from sdopt.optim import cuda_graph
-
-    monkeypatch.setattr(graph_node, "unavailable", lambda config, device: None)
-    monkeypatch.setattr(cuda_graph, "unavailable", lambda config, device: None)
-    monkeypatch.setattr(cuda_graph, "CUDACaptureBackend", RecomputingCapture)
-    model = graph_node.SDOptCUDAGraph().patch(_compile_node(FastPatcher()), 4, "fallback")[0]
-    fast_path = glue.fast_path_of(model)
-    result = _profiled_steps(fast_path, TinyUNet(), 3)
-    (compile_stats,), (graph_stats,) = fast_path.stats()
-    assert (compile_stats.compilations, graph_stats.captures, graph_stats.replays) == (1, 1, 3)
-    first, *rest = [s["warmup"] for s in result.steps]
-    assert set(first) == {"compile", "capture"} and rest == [{}, {}], "the capture's warm-up runs compile, in step 0"
-    assert first["compile"] == compile_stats.compile_seconds
-    assert first["compile"] + first["capture"] == pytest.approx(graph_stats.capture_seconds)
-    assert result.steady_steps == [1, 2]
-
-
-@torch.inference_mode()
-def test_a_fast_path_call_outside_a_profiled_run_marks_nothing(patcher_extension):
-    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
-    unet = TinyUNet()
-    for seed in range(2):
-        fast_path(Executor(unet), *_step(seed), None, None, {})
-    assert active_run() is None and fast_path.stats()[0][0].compilations == 1
 
 
 # --- the model's family -------------------------------------------------------------------------------
@@ -1282,104 +861,6 @@ def test_model_family_of_a_model_without_a_config_names_its_class():
 
     family = glue.model_family(types.SimpleNamespace(model=CustomModel()))
     assert family.family is None and family.label == "family unknown (CustomModel)"
-
-
-class TinyXLUNet(TinyUNet):
-    """SDXL's calling convention: a ``y`` vector (pooled text and size embeddings) beside the context."""
-
-    def __init__(self):
-        super().__init__()
-        self.label_emb = nn.Linear(6, 4)
-
-    def _forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}):
-        return super()._forward(x, timesteps, context, y, control, transformer_options) + self.label_emb(y)[:, :, None, None]
-
-
-def _vector(seed):
-    return torch.randn(2, 6, generator=torch.Generator().manual_seed(100 + seed))
-
-
-@torch.inference_mode()
-def test_fast_path_gives_sdxls_y_to_the_compiled_unet_as_an_input(patcher_extension):
-    fast_path = glue.fast_path_of(_compile_node(FastPatcher(SSD1B)))
-    assert fast_path.family.label == "SDXL"
-    unet = TinyXLUNet()
-    for seed in range(4):
-        x, t, context = _step(seed)
-        executor = Executor(unet)
-        y = _vector(seed)
-        # ComfyUI's executor passes the inputs positionally; a caller may name them
-        args, kwargs = ((x, t, context, y, None, {}), {}) if seed % 2 else ((x, t), dict(context=context, y=y, control=None, transformer_options={}))
-        out = fast_path(executor, *args, **kwargs)
-        torch.testing.assert_close(out, unet._forward(x, t, context, y), rtol=0, atol=0)
-        assert executor.calls == 0, "the traced path, not the executor, ran"
-    (stats,), _ = fast_path.stats()
-    assert stats.compilations == 1, "one trace serves every y of one shape: y is its input, not a constant"
-
-
-class GuidedUNet(TinyUNet):
-    """A family whose forward takes one more tensor input (a guidance scale) before ``control``."""
-
-    def _forward(self, x, timesteps=None, context=None, y=None, guidance=None, control=None, transformer_options={}):
-        return super()._forward(x, timesteps, context) * guidance[:, None, None, None]
-
-
-@torch.inference_mode()
-def test_fast_path_binds_the_tensor_inputs_its_family_names(patcher_extension):
-    import dataclasses
-
-    from sdopt.families import SD15 as SD15_FAMILY
-    from sdopt.families import DiffusionCall
-    from sdopt.optim.compile import CompileConfig
-
-    guided = dataclasses.replace(SD15_FAMILY, call=DiffusionCall(tensor_inputs=("x", "timesteps", "context", "y", "guidance")))
-    fast_path = glue.FastPath({glue.COMPILE: CompileConfig("trace")}, glue.ModelFamily(guided, "Guided"))
-    unet = GuidedUNet()
-    for seed in range(3):
-        x, t, context = _step(seed)
-        guidance = torch.full((2,), 1.0 + seed)
-        executor = Executor(unet)
-        out = fast_path(executor, x, t, context, None, guidance, None, {})
-        torch.testing.assert_close(out, unet._forward(x, t, context, None, guidance), rtol=0, atol=0)
-        assert executor.calls == 0 and not fast_path.eager_reasons, "guidance is an input, not ControlNet's control"
-
-
-@torch.inference_mode()
-def test_fast_path_runs_eager_on_more_positional_inputs_than_its_family_calls_with(patcher_extension):
-    fast_path = glue.fast_path_of(_compile_node(FastPatcher()))
-    unet = GuidedUNet()
-    executor = Executor(unet)
-    x, t, context = _step()
-    out = fast_path(executor, x, t, context, None, torch.ones(2), None, {})
-    assert executor.calls == 1
-    torch.testing.assert_close(out, unet._forward(x, t, context, None, torch.ones(2)), rtol=0, atol=0)
-    assert list(fast_path.eager_reasons) == ["more positional inputs than SD1.5's call takes"]
-
-
-@torch.inference_mode()
-def test_a_model_of_an_unknown_family_keeps_the_unet_call_and_the_records_say_so(patcher_extension):
-    from sdopt.nodes.cuda_graph import SDOptCUDAGraph
-
-    model = _compile_node(FastPatcher(Flux))
-    (record,) = glue.model_records(model.model_options)
-    assert "family unknown (Flux)" in record["note"]
-    fast_path = glue.fast_path_of(model)
-    unet = TinyUNet()
-    for seed in range(3):
-        x, t, context = _step(seed)
-        executor = Executor(unet)
-        torch.testing.assert_close(fast_path(executor, x, t, context, None, None, {}), unet._forward(x, t, context), rtol=0, atol=0)
-        assert executor.calls == 0
-    (report,) = _keyed(model, glue.FAST_PATH_KEY)["sampler_sample"]
-    run = SamplingRun("r", "cpu")
-    with run.memory_scope():
-        report(lambda: None)
-    (ran,) = run.optimizations
-    assert "family unknown (Flux)" in ran["note"]
-    known = _compile_node(FastPatcher(SDXL))
-    assert "family" not in glue.model_records(known.model_options)[0]["note"]
-    (passed,) = SDOptCUDAGraph().patch(FastPatcher(Flux), 4, "fallback")
-    assert "family unknown" not in glue.model_records(passed.model_options)[0]["note"], "a node that runs nothing assumes nothing"
 
 
 # --- the low-memory node -------------------------------------------------------------------------------
@@ -1412,7 +893,7 @@ def test_low_memory_slices_the_feedforward_modules_its_family_names(patcher_exte
     tokens = {}
     for config_class in (SDXL, SD15):
         (m,) = SDOptLowMemory().patch(FastPatcher(config_class), 1, False, True)
-        (apply_model,) = _keyed(m, NODE)["apply_model"]
+        (apply_model,) = keyed_wrappers(m, NODE)["apply_model"]
         mlp = Mlp()
         torch.testing.assert_close(apply_model(lambda x, *a, **k: mlp(x), x, None), Mlp()(x), rtol=1e-5, atol=1e-6)
         tokens[config_class.__name__] = max(mlp.tokens_seen)
@@ -1425,15 +906,15 @@ def test_sequential_cfg_splits_sdxls_y_with_the_batch(patcher_extension, comfy_a
 
     comfy_attention.wrap_attn = object()
     (m,) = SDOptLowMemory().patch(FastPatcher(SDXL), 256, True, True)
-    (apply_model,) = _keyed(m, NODE)["apply_model"]
+    (apply_model,) = keyed_wrappers(m, NODE)["apply_model"]
     unet, seen = TinyXLUNet(), []
 
     def executor(x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
         seen.append((x.shape[0], kwargs["y"].shape[0]))
         return unet._forward(x, t, c_crossattn, kwargs["y"])
 
-    x, t, context = _step()
-    y = _vector(0)
+    x, t, context = unet_inputs()
+    y = sdxl_vector(0)
     out = apply_model(executor, x, t, None, context, None, {}, y=y)
     assert seen == [(1, 1), (1, 1)], "cond and uncond one after the other, each with its own y"
     torch.testing.assert_close(out, unet._forward(x, t, context, y), rtol=1e-5, atol=1e-6)
@@ -1531,23 +1012,3 @@ def test_fall_back_or_raise_is_every_nodes_on_unavailable():
     with pytest.raises(UserError) as raised:
         glue.fall_back_or_raise("error", problem, "run eager")
     assert str(raised.value) == "mode: no GPU here; run it on a GPU (or set on_unavailable to fallback to run eager)"
-
-
-@torch.inference_mode()
-def test_the_chain_runs_innermost_first_whatever_order_its_configs_come_in(patcher_extension):
-    from sdopt.families import SD15 as SD15_FAMILY
-    from sdopt.optim.compile import CompileConfig
-    from sdopt.optim.cuda_graph import GraphConfig, GraphedFunction
-    from sdopt.optim.step_cache import StepCacheConfig
-
-    family = glue.ModelFamily(SD15_FAMILY, "SD15")
-    configs = {glue.GRAPH: GraphConfig(), glue.COMPILE: CompileConfig("trace"), glue.STEP_CACHE: StepCacheConfig()}
-    fast_path = glue.FastPath(configs, family)
-    assert list(fast_path.configs) == list(glue.CHAIN) == [glue.STEP_CACHE, glue.COMPILE, glue.GRAPH]
-    # the graph captures what compile made, never the other way round
-    fn, parts, _ = glue.FastPath({glue.GRAPH: GraphConfig(), glue.COMPILE: CompileConfig("trace")}, family)._runner(TinyUNet(), {})
-    assert isinstance(fn, GraphedFunction) and fn is parts[glue.GRAPH] and fn.fn is parts[glue.COMPILE]
-    replaced = fast_path.with_config(glue.COMPILE, None)
-    assert list(replaced.configs) == [glue.STEP_CACHE, glue.GRAPH] and fast_path.compile_config is not None
-    with pytest.raises(ValueError, match="not in the fast path's chain"):
-        glue.FastPath({"quantize": object()}, family)

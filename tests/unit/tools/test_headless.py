@@ -10,7 +10,7 @@ import types
 import pytest
 
 from sdopt.errors import UserError
-from sdopt.nodes import glue
+from sdopt.nodes import prompt_context
 from sdopt.tools import headless
 
 
@@ -100,7 +100,7 @@ def test_host_refuses_a_comfyui_that_did_not_load_the_pack(monkeypatch, tmp_path
 
 def test_server_starts_the_node_timer_with_each_prompt(monkeypatch):
     started = []
-    monkeypatch.setattr(glue, "install_node_timer", lambda prompt_id, node=None: started.append(prompt_id))
+    monkeypatch.setattr(prompt_context, "install_node_timer", lambda prompt_id, node=None: started.append(prompt_id))
     server = headless._Server()
     server.send_sync("execution_start", {"prompt_id": "p"})
     server.send_sync("execution_cached", {"prompt_id": "p", "nodes": []})
