@@ -44,7 +44,7 @@ class SSD1B(SDXL):
     pass
 
 
-class Flux:
+class AuraFlow:  # a ComfyUI model no sdopt family describes
     pass
 
 

@@ -9,7 +9,7 @@ from sdopt.nodes import glue
 from sdopt.nodes.fast_path import CHAIN, COMPILE, FAST_PATH_KEY, GRAPH, STEP_CACHE, FastPath, fast_path_of
 from sdopt.optim.precision import converted_copy
 
-from .comfy_fakes import SDXL, SSD1B, FastPatcher, Flux, TinyUNet, TinyXLUNet, install, keyed_wrappers, sdxl_vector, unet_inputs
+from .comfy_fakes import SDXL, SSD1B, AuraFlow, FastPatcher, TinyUNet, TinyXLUNet, install, keyed_wrappers, sdxl_vector, unet_inputs
 
 pytestmark = pytest.mark.usefixtures("no_comfyui")
 
@@ -275,9 +275,9 @@ def test_fast_path_runs_eager_on_more_positional_inputs_than_its_family_calls_wi
 def test_a_model_of_an_unknown_family_keeps_the_unet_call_and_the_records_say_so(patcher_extension):
     from sdopt.nodes.cuda_graph import SDOptCUDAGraph
 
-    model = _compile_node(FastPatcher(Flux))
+    model = _compile_node(FastPatcher(AuraFlow))
     (record,) = glue.model_records(model.model_options)
-    assert "family unknown (Flux)" in record["note"]
+    assert "family unknown (AuraFlow)" in record["note"]
     fast_path = fast_path_of(model)
     unet = TinyUNet()
     for seed in range(3):
@@ -290,10 +290,10 @@ def test_a_model_of_an_unknown_family_keeps_the_unet_call_and_the_records_say_so
     with run.memory_scope():
         report(lambda: None)
     (ran,) = run.optimizations
-    assert "family unknown (Flux)" in ran["note"]
+    assert "family unknown (AuraFlow)" in ran["note"]
     known = _compile_node(FastPatcher(SDXL))
     assert "family" not in glue.model_records(known.model_options)[0]["note"]
-    (passed,) = SDOptCUDAGraph().patch(FastPatcher(Flux), 4, "fallback")
+    (passed,) = SDOptCUDAGraph().patch(FastPatcher(AuraFlow), 4, "fallback")
     assert "family unknown" not in glue.model_records(passed.model_options)[0]["note"], "a node that runs nothing assumes nothing"
 
 

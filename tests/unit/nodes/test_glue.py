@@ -23,7 +23,7 @@ from sdopt.nodes import prompt_context
 from sdopt.optim.attention import backend_function, naive_attention
 from sdopt.optim.precision import converted_copy
 
-from .comfy_fakes import (PROMPT, SD15, SDXL, SSD1B, FastPatcher, Flux, TinyXLUNet, WrappedPatcher, base_model, install, keyed_wrappers,
+from .comfy_fakes import (PROMPT, SD15, SDXL, SSD1B, AuraFlow, FastPatcher, TinyXLUNet, WrappedPatcher, base_model, install, keyed_wrappers,
                           sdxl_vector, unet_inputs)
 
 pytestmark = pytest.mark.usefixtures("no_comfyui")
@@ -806,7 +806,7 @@ def test_outer_sample_files_a_run_and_passes_new_arguments(prompts, monkeypatch)
     assert len(prompt_context.prompt_log(PROMPT).runs) == 2, "every sampling run is filed"
 
 
-@pytest.mark.parametrize("config_class,family", [(SSD1B, "SDXL"), (Flux, "family unknown (Flux)")])
+@pytest.mark.parametrize("config_class,family", [(SSD1B, "SDXL"), (AuraFlow, "family unknown (AuraFlow)")])
 def test_each_run_names_the_model_family(prompts, monkeypatch, config_class, family):
     monkeypatch.setattr(prompt_context, "install_node_timer", lambda *a: False)
     monkeypatch.setattr(prompt_context, "current_node_id", lambda: "5")
@@ -843,7 +843,7 @@ def test_profiler_node_clones_with_its_wrappers(patcher_extension, prompts, monk
 # --- the model's family -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config_class,label,known", [(SD15, "SD1.5", True), (SSD1B, "SDXL", True), (Flux, "family unknown (Flux)", False)])
+@pytest.mark.parametrize("config_class,label,known", [(SD15, "SD1.5", True), (SSD1B, "SDXL", True), (AuraFlow, "family unknown (AuraFlow)", False)])
 def test_model_family_comes_from_comfyuis_config_class(config_class, label, known):
     family = glue.model_family(FastPatcher(config_class))
     assert family.label == label and (family.family is not None) == known
@@ -852,7 +852,7 @@ def test_model_family_comes_from_comfyuis_config_class(config_class, label, know
         assert family.unknown_note == "" and family.described is family.family
     else:
         assert family.described.title == "SD1.5", "an unknown family is served as the UNet sdopt served before families"
-        assert family.unknown_note.startswith("family unknown (Flux): ") and "(x, timesteps, context, y)" in family.unknown_note
+        assert family.unknown_note.startswith("family unknown (AuraFlow): ") and "(x, timesteps, context, y)" in family.unknown_note
 
 
 def test_model_family_of_a_model_without_a_config_names_its_class():
