@@ -192,6 +192,12 @@ class DiffusionCall:
     def vector_width(self) -> int:
         return sum(width for _, width in self.vector_parts)
 
+    @property
+    def plain_forward(self) -> str:
+        """The method that runs the diffusion model without ComfyUI's wrappers: ``_forward`` where
+        its ``forward`` runs them, else ``forward`` itself."""
+        return "_forward" if self.runs_wrappers else "forward"
+
 
 @dataclass(frozen=True)
 class Family:

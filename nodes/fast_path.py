@@ -35,9 +35,10 @@ def _schedule_position(transformer_options: dict) -> float | None:
     return done / (len(schedule) - 1)
 
 
-def _diffusion_forward(options: dict, unet, *tensors):
-    """The diffusion model's forward on its tensor inputs, in its family's order, with no control."""
-    return unet._forward(*tensors, None, dict(options))
+def _diffusion_forward(options: dict, method: str, unet, *tensors):
+    """The diffusion model's forward on its tensor inputs, in its family's order, with no control:
+    its class's ``method`` (``DiffusionCall.plain_forward``), never a forward routed per instance."""
+    return getattr(type(unet), method)(unet, *tensors, None, dict(options))
 
 
 def _cached_full_forward(options: dict, branch: int, unet, *tensors):
@@ -210,7 +211,7 @@ class FastPath:
         if key in self.runners and self.runners[key][0] is unet:
             return self.runners[key][1:]
         if kind == PLAIN_STEP:
-            call = functools.partial(_diffusion_forward, options)
+            call = functools.partial(_diffusion_forward, options, self.family.call.plain_forward)
         else:
             forward = _cached_full_forward if kind == FULL_STEP else _cached_shallow_forward
             call = functools.partial(forward, options, self.step_cache_config.branch)
@@ -289,10 +290,45 @@ def _malloc_graph_paused():
         yield
 
 
+class _OwnForward:
+    """A diffusion model's own forward, as the executor that the fast path calls eagerly."""
+
+    def __init__(self, unet, forward: Callable):
+        self.class_obj, self.forward = unet, forward
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class ForwardRouter:
+    """The APPLY_MODEL wrapper that puts ``fast_path`` in front of a diffusion model around which
+    ComfyUI runs no DIFFUSION_MODEL wrappers (SD3's MMDiT): for the length of each call the model's
+    forward goes through the fast path, as ComfyUI's own object patches do, and then is restored."""
+
+    def __init__(self, fast_path: FastPath):
+        self.fast_path = fast_path
+
+    def __call__(self, executor, *args, **kwargs):
+        unet = executor.class_obj.diffusion_model
+        routed = unet.__dict__.get("forward")
+        own = _OwnForward(unet, routed or functools.partial(type(unet).forward, unet))
+        unet.forward = functools.partial(self.fast_path, own)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            if routed is None:
+                del unet.forward
+            else:
+                unet.forward = routed
+
+
 def fast_path_of(model) -> FastPath | None:
-    for fn in model.get_wrappers(wrapper_types().DIFFUSION_MODEL, FAST_PATH_KEY):
-        if isinstance(fn, FastPath):
-            return fn
+    types = wrapper_types()
+    for kind in (types.DIFFUSION_MODEL, types.APPLY_MODEL):
+        for fn in model.get_wrappers(kind, FAST_PATH_KEY):
+            found = fn.fast_path if isinstance(fn, ForwardRouter) else fn
+            if isinstance(found, FastPath):
+                return found
     return None
 
 
@@ -333,7 +369,8 @@ def install_fast_path(model, fast_path: FastPath) -> None:
                 record_in_run("SDOptCUDAGraph", requested["SDOptCUDAGraph"], active, eager, eager_short)
 
     # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open here
-    set_wrappers(model, FAST_PATH_KEY, {"DIFFUSION_MODEL": fast_path, "SAMPLER_SAMPLE": report_after_sampling})
+    entry = {"DIFFUSION_MODEL": fast_path} if fast_path.family.call.runs_wrappers else {"APPLY_MODEL": ForwardRouter(fast_path)}
+    set_wrappers(model, FAST_PATH_KEY, {**entry, "SAMPLER_SAMPLE": report_after_sampling})
 
 
 def fast_path_clone(model, node: str, requested: str, problem: Unavailable | None, on_unavailable: str, name: str, config):

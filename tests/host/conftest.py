@@ -26,7 +26,9 @@ import torch
 from sdopt.errors import UserError
 from sdopt.families import FAMILIES, Family
 
-HOST_FAMILIES = ("sd15", "sdxl")
+HOST_FAMILIES = ("sd15", "sdxl", "sd35", "flux")
+# The diffusion transformers: a test that takes ``dit_host`` runs once on each.
+DIT_FAMILIES = ("sd35", "flux")
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 # The plain sampling run that node tests compare patched clones on: 2 euler steps at 64x64.
 STEPS, SIZE, SEED, CFG = 2, 64, 42, 7.0
@@ -43,12 +45,16 @@ FP32_PRECISION_ATTENTION = [
 
 
 def _mini_checkpoint(models: Path, family: Family) -> Path:
-    """``family``'s mini checkpoint in ``models``, generated (seed 0, fp16) where it is missing."""
+    """``family``'s mini checkpoint in ``models``, generated (seed 0, fp16) where it is missing; a
+    text encoder file of its own (Flux) goes into ``models/text_encoders``."""
     from sdopt.tools.modelgen import write_checkpoint
 
     checkpoint = models / family.checkpoint_filename("mini")
-    if not checkpoint.exists():
-        write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False)
+    text_encoder = family.text_encoder_filename("mini")
+    missing = not checkpoint.exists() or (text_encoder and not (models / "text_encoders" / text_encoder).exists())
+    if missing:
+        write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False,
+                         text_encoder_out=models / "text_encoders" / text_encoder if text_encoder else None)
     return checkpoint
 
 
@@ -85,9 +91,15 @@ class ComfyHostFixture:
 
     @cached_property
     def _loaded(self):
+        import folder_paths
         import nodes
 
-        return tuple(nodes.CheckpointLoaderSimple().load_checkpoint(self.checkpoint.name))
+        model, clip, vae = nodes.CheckpointLoaderSimple().load_checkpoint(self.checkpoint.name)[:3]
+        text_encoder = self.model_family.text_encoder_filename("mini")
+        if text_encoder:
+            folder_paths.add_model_folder_path("text_encoders", str(self.models / "text_encoders"))
+            clip = nodes.CLIPLoader().load_clip(text_encoder, self.model_family.clip_type)[0]
+        return model, clip, vae
 
     def load_checkpoint(self):
         """(model, clip, vae) of this family's mini checkpoint, loaded once and shared like ComfyUI's cache does."""
@@ -140,7 +152,7 @@ class ComfyHostFixture:
             generator = torch.Generator().manual_seed(3)
             tensors = {}
             for key, param in self.load_checkpoint()[0].model.diffusion_model.named_parameters():
-                attention = any(part in key for part in (".to_q.", ".to_k.", ".to_v."))
+                attention = any(part in key for part in (".to_q.", ".to_k.", ".to_v.", ".qkv."))
                 conv = convs and param.ndim == 4 and key.startswith(("input_blocks.0.", "input_blocks.1."))
                 if (attention or conv) and key.endswith(".weight"):
                     prefix = f"diffusion_model.{key[:-len('.weight')]}"
@@ -207,6 +219,12 @@ def comfy_host(tmp_path_factory):
 @pytest.fixture(params=HOST_FAMILIES)
 def family_host(request, comfy_host):
     """``comfy_host`` on each family's mini checkpoint in turn: a test that takes it runs once per family."""
+    return comfy_host.family(request.param)
+
+
+@pytest.fixture(params=DIT_FAMILIES)
+def dit_host(request, comfy_host):
+    """``comfy_host`` on each diffusion transformer's mini checkpoint (SD3.5, Flux) in turn."""
     return comfy_host.family(request.param)
 
 

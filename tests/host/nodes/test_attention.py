@@ -1,5 +1,7 @@
 """SDOptAttention and SDOptVAEAttention in real ComfyUI, on the mini SD1.5 checkpoint and, for the
-model's attention, on the mini SDXL (its 2- and 10-block transformers) too (CPU, fp32).
+model's attention, on the mini SDXL (its 2- and 10-block transformers), SD3.5 (joint text+image
+attention, v handed over split into heads) and Flux (joint attention with rotary q and k) too
+(CPU, fp32).
 
 Sampling is 2 euler steps at 64x64 (an 8x8 latent). The patched clone must reproduce the stock
 latent within ``REL_TOL`` of its largest magnitude, and the model it was made from must keep
@@ -41,7 +43,7 @@ def mini(comfy_host):
     return _mini(comfy_host)
 
 
-@pytest.fixture(scope="module", params=["sd15", "sdxl"])
+@pytest.fixture(scope="module", params=["sd15", "sdxl", "sd35", "flux"])
 def family_mini(comfy_host, request):
     """Each family's mini checkpoint in turn, with its stock latent."""
     return _mini(comfy_host.family(request.param))

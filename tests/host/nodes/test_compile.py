@@ -35,10 +35,27 @@ def xl(comfy_host):
     return host, sdpa, model, host.sample(model)
 
 
+@pytest.fixture(scope="module")
+def dits(comfy_host):
+    """{family: (host, model, model, stock latent)} of the SD3.5 and Flux minis, loaded on first use."""
+    loaded = {}
+
+    def get(name):
+        if name not in loaded:
+            host = comfy_host.family(name)
+            model = host.load_checkpoint()[0]
+            loaded[name] = (host, model, model, host.sample(model))
+        return loaded[name]
+
+    return get
+
+
 def _family(request, comfy_host, family):
     """(host, model to compile, model as loaded, stock latent) of ``family``."""
     if family == "sdxl":
         return request.getfixturevalue("xl")
+    if family in ("sd35", "flux"):
+        return request.getfixturevalue("dits")(family)
     model, stock = request.getfixturevalue("mini")
     return comfy_host, model, model, stock
 
@@ -63,6 +80,8 @@ def close(out, reference):
 @pytest.mark.parametrize("family,mode,backend", [
     ("sd15", "compile", "inductor"), ("sd15", "compile_regional", "aot_eager"), ("sd15", "trace", "inductor"),
     ("sdxl", "trace", "inductor"),
+    ("sd35", "compile", "inductor"), ("sd35", "compile_regional", "aot_eager"), ("sd35", "trace", "inductor"),
+    ("flux", "compile", "inductor"), ("flux", "compile_regional", "aot_eager"), ("flux", "trace", "inductor"),
 ])
 def test_compiled_sampling_matches_stock_and_leaves_the_model_alone(request, comfy_host, family, mode, backend):
     torch._dynamo.reset()  # dynamo caches per code object: an earlier test's frames would be reused
@@ -90,7 +109,8 @@ def test_new_steps_and_seed_do_not_recompile(comfy_host, mini):
 @pytest.fixture(scope="module")
 def loras(comfy_host):
     """{family: its attention LoRA's name}, and "conv": SD1.5's conv LoRA."""
-    return {"sd15": comfy_host.lora(), "sdxl": comfy_host.family("sdxl").lora(), "conv": comfy_host.lora(convs=True)}
+    names = {family: comfy_host.family(family).lora() for family in ("sdxl", "sd35", "flux")}
+    return {"sd15": comfy_host.lora(), **names, "conv": comfy_host.lora(convs=True)}
 
 
 # regional compile through aot_eager: its many small graphs would take inductor a minute here; SDXL as a
@@ -98,7 +118,8 @@ def loras(comfy_host):
 # is the same for every mode (weights are inputs, never constants)
 @pytest.mark.parametrize("family,mode,backend", [
     ("sd15", "compile", "inductor"), ("sd15", "trace", "inductor"), ("sd15", "compile_regional", "aot_eager"),
-    ("sdxl", "trace", "inductor"),
+    ("sdxl", "trace", "inductor"), ("sd35", "compile", "inductor"), ("sd35", "compile_regional", "aot_eager"),
+    ("flux", "compile_regional", "aot_eager"),
 ])
 def test_a_lora_and_its_strength_changes_are_followed_without_recompiling(request, comfy_host, loras, family, mode, backend):
     torch._dynamo.reset()
