@@ -208,7 +208,8 @@ class Family:
     ``supported_models`` classes that belong to it (subclasses included). ``vae_layout`` names the
     VAE architecture for the tiled VAE's adapters. ``repeated_blocks`` are the class names of the
     blocks that repeat in the diffusion model (regional compile's unit); ``feedforward_modules``
-    those of its token-wise feed-forwards (Low Memory slices them over tokens). ``clip_type`` is
+    those of its token-wise feed-forwards (Low Memory slices them over tokens; an attribute name such as
+    ``img_mlp`` where their class is generic). ``clip_type`` is
     the ``CLIPLoader`` type that loads a size's ``separate_text_encoders``.
     """
 

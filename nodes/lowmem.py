@@ -5,10 +5,12 @@ GroupNorm, sliced convs and feed-forwards) and, with ``sequential_cfg``, cond an
 the other (every batched input split with them: context, SDXL's ``y``, ControlNet residuals);
 attention goes through sdopt Attention's ``low_memory`` choice: PyTorch's fused sdpa kernels (memory
 linear in the tokens) where one takes the inputs, else ``sub_quadratic`` sized from the same budget. The
-feed-forward modules to slice are the model family's (``families/``).
+feed-forward modules to slice are the model family's (``families/``: by class, or by attribute name for
+Flux's ``nn.Sequential`` MLPs); the record counts what can be chunked on this model and names what it lacks
+(a DiT has no GroupNorm).
 """
 from ..optim.attention import LOW_MEMORY
-from ..optim.lowmem import LowMemConfig, run_low_memory
+from ..optim.lowmem import LowMemConfig, chunkable, run_low_memory
 from . import glue
 from .attention import SDOptAttention
 
@@ -43,11 +45,18 @@ class SDOptLowMemory:
         (m,) = SDOptAttention().patch(model, LOW_MEMORY, "fallback", 0, budget_mb)
 
         def low_memory_call(executor, x, *args, **kwargs):
-            return run_low_memory(config, executor, x, *args, **kwargs)
+            return run_low_memory(config, executor, x, *args, within=executor.class_obj.diffusion_model, **kwargs)
 
         glue.set_wrappers(m, NODE, {"APPLY_MODEL": low_memory_call})
-        parts = [f"budget {budget_mb} MiB", f"{LOW_MEMORY} attention"] + (["sequential cfg"] if sequential_cfg else []) + (["chunked GroupNorm/conv/feed-forward"] if chunk_ops else [])
+        counts = chunkable(m.get_model_object("diffusion_model"), config) if chunk_ops else {}
+        chunked = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
+        parts = [f"budget {budget_mb} MiB", f"{LOW_MEMORY} attention"] + (["sequential cfg"] if sequential_cfg else []) + (
+            [f"chunked over the budget: {chunked}"] if chunked else [])
         requested = f"budget_mb={budget_mb}, sequential_cfg={sequential_cfg}, chunk_ops={chunk_ops}"
-        note = "; ".join(filter(None, ["attention set through sdopt Attention (its record is beside this one)", family.unknown_note]))
-        glue.record_model(m, NODE, requested, ", ".join(parts), note)
+        missing = [kind for kind, n in counts.items() if not n]
+        lacking = f"{family.label}'s diffusion model has no {', no '.join(missing)} to chunk" if missing else ""
+        note = "; ".join(filter(None, ["attention set through sdopt Attention (its record is beside this one)", lacking,
+                                       family.unknown_note]))
+        short = "no feed-forwards to slice" if chunk_ops and not counts.get("feed-forwards") else ""
+        glue.record_model(m, NODE, requested, ", ".join(parts), note, short)
         return (m,)

@@ -61,8 +61,9 @@ class LowMemConfig:
     may use; ops estimated above it run in chunks sized to fit it, and ``attention_config`` gives
     attention's score chunks the same budget. ``sequential_cfg``: ``run_low_memory`` runs the
     batch ``batch_chunk`` entries at a time (cond and uncond one after the other).
-    ``feedforward_modules``: class names of token-wise modules that ``slice_feedforward`` runs
-    over token slices (their input's second-to-last dim).
+    ``feedforward_modules``: the token-wise modules that ``slice_feedforward`` runs over token
+    slices (their input's second-to-last dim), by class name (``FeedForward``) or, for modules of a
+    generic class, by their attribute name in their parent (Flux's ``img_mlp``, an ``nn.Sequential``).
     """
 
     budget_bytes: int
@@ -281,11 +282,12 @@ def attention_chunks(q_shape: Sequence[int], k_shape: Sequence[int], dtype: torc
 
 
 @contextlib.contextmanager
-def low_memory(config: LowMemConfig) -> Iterator[None]:
+def low_memory(config: LowMemConfig, within: nn.Module | None = None) -> Iterator[None]:
     """Within the block, GroupNorm, conv2d and feed-forward modules whose working memory exceeds
     ``config.budget_bytes`` run chunked. Process-wide while active (a torch function mode and
-    global module hooks); no module is changed."""
-    feedforward = _FeedForwardSlicer(config)
+    global module hooks); no module is changed. Feed-forwards named by attribute are looked up in
+    ``within`` (the diffusion model)."""
+    feedforward = _FeedForwardSlicer(config, within)
     with contextlib.ExitStack() as stack:
         if config.slice_feedforward:
             stack.callback(register_module_forward_pre_hook(feedforward.before).remove)
@@ -294,13 +296,29 @@ def low_memory(config: LowMemConfig) -> Iterator[None]:
         yield
 
 
-def run_low_memory(config: LowMemConfig, fn: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """``fn(x, *args, **kwargs)`` under ``low_memory(config)``, the batch split by ``sequential_batches``
+def run_low_memory(
+    config: LowMemConfig, fn: Callable[..., Any], x: torch.Tensor, *args: Any, within: nn.Module | None = None, **kwargs: Any
+) -> Any:
+    """``fn(x, *args, **kwargs)`` under ``low_memory(config, within)``, the batch split by ``sequential_batches``
     when ``config.sequential_cfg``: the whole technique around one UNet call (ComfyUI's ``apply_model``)."""
-    with low_memory(config):
+    with low_memory(config, within):
         if config.sequential_cfg:
             return sequential_batches(fn, x, *args, batch_chunk=config.batch_chunk, **kwargs)
         return fn(x, *args, **kwargs)
+
+
+def chunkable(module: nn.Module, config: LowMemConfig) -> dict[str, int]:
+    """How many of ``module``'s submodules ``low_memory(config, module)`` may run chunked, by kind:
+    what a record says the technique can do on a model (a DiT has no GroupNorm, Flux's feed-forwards
+    are found by attribute name)."""
+    slicer = _FeedForwardSlicer(config, module)
+    subs = list(module.modules())
+    counts = {
+        "feed-forwards": sum(type(m).__name__ in slicer.names or id(m) in slicer.named for m in subs) if config.slice_feedforward else 0,
+        "GroupNorms": sum(isinstance(m, nn.GroupNorm) for m in subs) if config.chunk_groupnorm else 0,
+        "convs": sum(isinstance(m, nn.Conv2d) for m in subs) if config.slice_convs else 0,
+    }
+    return counts
 
 
 class _LowMemoryMode(TorchFunctionMode):
@@ -335,14 +353,19 @@ class _FeedForwardSlicer:
     slice by slice on the kept input. The module is never touched.
     """
 
-    def __init__(self, config: LowMemConfig):
+    def __init__(self, config: LowMemConfig, within: nn.Module | None = None):
         self.names = frozenset(config.feedforward_modules)
+        # Modules of ``within`` matched by attribute name; class names match anywhere.
+        self.named = frozenset(
+            id(sub) for name, sub in (within.named_modules() if within is not None else ())
+            if name.rpartition(".")[2] in self.names
+        )
         self.budget = config.budget_bytes
         self.slicing: set[int] = set()
         self.pending: dict[int, torch.Tensor] = {}
 
     def before(self, module: nn.Module, args: tuple):
-        if type(module).__name__ not in self.names:
+        if type(module).__name__ not in self.names and id(module) not in self.named:
             return None
         # A forward that raised leaves its input here; the module's next call must not see it.
         self.pending.pop(id(module), None)

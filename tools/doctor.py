@@ -726,7 +726,7 @@ def _always_rows(ctx: Context) -> list[CheckRow]:
     budget = free_memory(ctx.device)
     rows = [
         _node_row("sdopt Tiled VAE", [f"tiled decode/encode, auto tile from {_gib(budget)} free {memory}"], {}, "", "optim.tiled_vae.free_memory on this device"),
-        _node_row("sdopt Low Memory", ["sequential cfg, chunked GroupNorm/conv/feed-forward, low_memory attention"], {}, "", "nothing to check: torch only"),
+        _node_row("sdopt Low Memory", ["sequential cfg, chunked GroupNorm/conv/feed-forward (those the model has), low_memory attention"], {}, "", "nothing to check: torch only"),
         _node_row("sdopt Step Cache", ["deepcache on UNets (SD1.5, SDXL), alone or under Compile and CUDA Graph"], {}, "",
                   "nothing to check: torch only; the model decides (a UNet with down, middle and up blocks)"),
     ]

@@ -15,6 +15,7 @@ from sdopt.optim.lowmem import (
     LowMemConfig,
     attention_chunks,
     attention_config,
+    chunkable,
     chunked_group_norm,
     feedforward_working_bytes,
     low_memory,
@@ -119,6 +120,46 @@ def test_token_sliced_feedforward_equals_whole():
     with torch.no_grad():
         assert_close_rel(token_sliced(ff, x, 7), ff(x))
     assert ff.tokens_seen[:-1] == [7] * 7 + [1]
+
+
+class _DoubleStream(nn.Module):
+    """Flux's shape: MLPs of a generic class (nn.Sequential), known only by their attribute names."""
+
+    def __init__(self):
+        super().__init__()
+        self.img_mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(approximate="tanh"), nn.Linear(64, 16))
+        self.other = nn.Sequential(nn.Linear(16, 16))
+
+    def forward(self, x):
+        return self.other(self.img_mlp(x))
+
+
+def test_feedforwards_named_by_attribute_are_sliced_within_the_given_model():
+    torch.manual_seed(6)
+    model, x = _DoubleStream(), torch.randn(2, 40, 16)
+    config = LowMemConfig(TINY_BUDGET, sequential_cfg=False, feedforward_modules=("img_mlp",))
+    seen = []
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: seen.append((module, args[0].shape[-2])) if isinstance(module, nn.Sequential) else None)
+    try:
+        with torch.no_grad():
+            reference = model(x)
+            seen.clear()
+            with low_memory(config, within=model):
+                out = model(x)
+            sliced = [tokens for module, tokens in seen if module is model.img_mlp and tokens]
+            others = [tokens for module, tokens in seen if module is model.other]
+            seen.clear()
+            with low_memory(config):
+                model(x)
+            unmatched = [tokens for module, tokens in seen if module is model.img_mlp and tokens]
+    finally:
+        handle.remove()
+    assert_close_rel(out, reference)
+    assert len(sliced) > 2 and max(sliced[1:]) < 40, "img_mlp ran over token slices"
+    assert others == [40], "a Sequential not named is left whole"
+    assert unmatched == [40], "without the model, an attribute name matches nothing"
+    assert chunkable(model, config) == {"feed-forwards": 1, "GroupNorms": 0, "convs": 0}
 
 
 def test_sequential_batches_slices_batched_tensors_and_passes_the_rest():
