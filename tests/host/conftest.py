@@ -27,8 +27,9 @@ from sdopt.errors import UserError
 from sdopt.families import FAMILIES, Family
 
 HOST_FAMILIES = ("sd15", "sdxl", "sd35", "flux")
-# The diffusion transformers: a test that takes ``dit_host`` runs once on each.
+# The diffusion transformers and the UNets: a test that takes ``dit_host`` (``unet_host``) runs once on each.
 DIT_FAMILIES = ("sd35", "flux")
+UNET_FAMILIES = ("sd15", "sdxl")
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 # The plain sampling run that node tests compare patched clones on: 2 euler steps at 64x64.
 STEPS, SIZE, SEED, CFG = 2, 64, 42, 7.0
@@ -219,6 +220,12 @@ def comfy_host(tmp_path_factory):
 @pytest.fixture(params=HOST_FAMILIES)
 def family_host(request, comfy_host):
     """``comfy_host`` on each family's mini checkpoint in turn: a test that takes it runs once per family."""
+    return comfy_host.family(request.param)
+
+
+@pytest.fixture(params=UNET_FAMILIES)
+def unet_host(request, comfy_host):
+    """``comfy_host`` on each UNet family's mini checkpoint (SD1.5, SDXL) in turn."""
     return comfy_host.family(request.param)
 
 

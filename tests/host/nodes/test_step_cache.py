@@ -1,4 +1,6 @@
-"""SDOptStepCache in real ComfyUI, on the mini SD1.5 and SDXL checkpoints (CPU, fp32, 64x64, 6 steps).
+"""SDOptStepCache in real ComfyUI, on the mini SD1.5 and SDXL checkpoints (CPU, fp32, 64x64, 6 steps);
+on the SD3.5 and Flux minis, whose transformers have no skip connections to cache across, it passes
+the model through with the reason, or refuses.
 
 With interval 1 every call runs the step cache's own split of the UNet (``full_forward`` over
 ComfyUI's blocks), which must give stock's latent exactly: the split calls ComfyUI's blocks in its
@@ -40,8 +42,8 @@ def _stock(host):
 
 
 @pytest.fixture
-def stock(family_host):
-    return _stock(family_host)
+def stock(unet_host):
+    return _stock(unet_host)
 
 
 @pytest.fixture
@@ -50,32 +52,32 @@ def sd15_stock(comfy_host):
     return _stock(comfy_host)
 
 
-def test_interval_one_runs_the_split_unet_and_equals_stock(family_host, stock):
+def test_interval_one_runs_the_split_unet_and_equals_stock(unet_host, stock):
     model, reference = stock
-    patched = cached(family_host, model, interval=1)
-    assert torch.equal(family_host.sample(patched, STEPS), reference)
-    stats = schedule_stats(family_host, patched)
+    patched = cached(unet_host, model, interval=1)
+    assert torch.equal(unet_host.sample(patched, STEPS), reference)
+    stats = schedule_stats(unet_host, patched)
     assert stats.reused_calls == 0 and stats.full_calls == STEPS
 
 
-def test_deepcache_reuses_two_calls_in_three_and_leaves_the_model_alone(family_host, stock):
+def test_deepcache_reuses_two_calls_in_three_and_leaves_the_model_alone(unet_host, stock):
     model, reference = stock
-    patched = cached(family_host, model)
-    out = family_host.sample(patched, STEPS)
-    stats = schedule_stats(family_host, patched)
+    patched = cached(unet_host, model)
+    out = unet_host.sample(patched, STEPS)
+    stats = schedule_stats(unet_host, patched)
     assert (stats.full_calls, stats.reused_calls) == (STEPS // 3, STEPS - STEPS // 3)
     assert torch.isfinite(out).all() and not torch.equal(out, reference), "reused features change the latent"
     assert "2 of 6 calls ran the whole UNet" in stats.summary()
-    again = family_host.sample(patched, STEPS)
+    again = unet_host.sample(patched, STEPS)
     assert torch.equal(again, out), "a new sampling run starts from a fresh cache"
-    assert torch.equal(family_host.sample(model, STEPS), reference), "the model the node was given must be unchanged"
+    assert torch.equal(unet_host.sample(model, STEPS), reference), "the model the node was given must be unchanged"
 
 
-def test_a_bounded_span_runs_the_whole_unet_outside_it(family_host, stock):
+def test_a_bounded_span_runs_the_whole_unet_outside_it(unet_host, stock):
     model, _ = stock
-    patched = cached(family_host, model, start=0.5)
-    family_host.sample(patched, STEPS)
-    stats = schedule_stats(family_host, patched)
+    patched = cached(unet_host, model, start=0.5)
+    unet_host.sample(patched, STEPS)
+    stats = schedule_stats(unet_host, patched)
     assert stats.full_reasons["outside the cached part of the schedule"] == STEPS // 2
     assert stats.reused_calls == 2, "the second half reuses the last full call's features until the interval is due"
 
@@ -93,16 +95,16 @@ def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(comfy_host, s
     assert sorted(s.compilations for s in compile_stats) == [1, 1], "one trace for the full call, one for the shallow call"
 
 
-def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(family_host, stock):
+def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(unet_host, stock):
     model, reference = stock
     depth = len(model.model.diffusion_model.input_blocks)
     if depth > 11:
         pytest.skip(f"every branch the node offers fits this UNet's {depth} levels")
     with pytest.raises(Exception, match=f"branch: branch 11 is past the UNet's {depth} skip levels; choose a branch below {depth}"):
-        cached(family_host, model, branch=11, on_unavailable="error")
-    passed = cached(family_host, model, branch=11)
-    assert family_host.fast_path.fast_path_of(passed) is None
-    assert torch.equal(family_host.sample(passed, STEPS), reference)
+        cached(unet_host, model, branch=11, on_unavailable="error")
+    passed = cached(unet_host, model, branch=11)
+    assert unet_host.fast_path.fast_path_of(passed) is None
+    assert torch.equal(unet_host.sample(passed, STEPS), reference)
 
 
 def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_not(comfy_host, sd15_stock):
@@ -124,3 +126,14 @@ def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_n
     after = easycache(traced(model))
     host.sample(after, STEPS)
     assert set(host.fast_path.fast_path_of(after).eager_reasons) == {"another DIFFUSION_MODEL wrapper runs inside this one"}
+
+
+def test_a_diffusion_transformer_is_passed_through_with_the_reason_or_refused(dit_host):
+    model = dit_host.load_checkpoint()[0]
+    with pytest.raises(Exception, match="mode: the model is not a UNet with down, middle and up blocks"):
+        cached(dit_host, model, on_unavailable="error")
+    passed = cached(dit_host, model)
+    assert dit_host.fast_path.fast_path_of(passed) is None
+    (record,) = dit_host.glue.model_records(passed.model_options)
+    assert record["active"] == "eager" and "not a UNet" in record["note"] and "not a UNet" in record["short"]
+    assert torch.equal(dit_host.sample(passed), dit_host.sample(model))

@@ -46,18 +46,30 @@ def test_checkpoint_loader_detects_the_family(family_host):
 def test_every_key_of_the_file_is_loaded_and_nothing_is_missing(family_host):
     model, clip, vae = family_host.load_checkpoint()
     shapes = _file_shapes(family_host.checkpoint)
+    vae_prefix = family_host.model_family.sizes["mini"].vae_prefix
     assert set(model.model.diffusion_model.state_dict()) == _strip(shapes, UNET_PREFIX)
-    assert set(vae.first_stage_model.state_dict()) == _strip(shapes, VAE_PREFIX)
+    assert set(vae.first_stage_model.state_dict()) == _strip(shapes, vae_prefix)
+    built = clip.cond_stage_model.state_dict()
+
+    text_file = family_host.model_family.text_encoder_filename("mini")
+    if text_file:
+        # Flux: no text encoder in the checkpoint; CLIPLoader built CLIP-L from its own file, whose
+        # keys sit under the built encoder's ``transformer.``.
+        assert set(shapes) == {key for key in shapes if key.startswith((UNET_PREFIX, vae_prefix))}
+        separate = _file_shapes(family_host.models / "text_encoders" / text_file)
+        (prefix,) = {key[: -len(name)] for key in built for name in separate if key.endswith("transformer." + name)}
+        assert set(built) - {prefix + key for key in separate} <= CLIP_UNSET
+        assert all(list(built[prefix + key].shape) == list(shape) for key, shape in separate.items())
+        return
 
     # ComfyUI's own conversion of the file's text encoder keys (on meta tensors: OpenCLIP's fused
     # q/k/v are split by slicing), against the modules it built.
     text = {
         key: torch.empty(shape, device="meta")
         for key, shape in shapes.items()
-        if not key.startswith((UNET_PREFIX, VAE_PREFIX))
+        if not key.startswith((UNET_PREFIX, vae_prefix))
     }
     converted = model.model.model_config.process_clip_state_dict(text)
-    built = clip.cond_stage_model.state_dict()
     assert set(converted) <= set(built)
     assert set(built) - set(converted) <= CLIP_UNSET
     assert {key: value.shape for key, value in converted.items()} == {key: built[key].shape for key in converted}
@@ -109,10 +121,12 @@ def test_make_lora_is_applied_whole_and_the_image_follows_its_strength(family_ho
         patched = {strength: comfy.sd.load_lora_for_models(model, clip, lora, strength, strength) for strength in (1.0, 0.5)}
     assert [r.getMessage() for r in caplog.records if "lora key not loaded" in r.getMessage()] == []
     layers = {key.removesuffix(".alpha") for key in lora if key.endswith(".alpha")}
-    unet_layers = {layer for layer in layers if layer.startswith("lora_unet_")}
+    unet_layers = {layer for layer in layers if layer.startswith(("lora_unet_", "diffusion_model."))}
     full_model, full_clip = patched[1.0]
     assert len(full_model.patches) == len(unet_layers) > 0
-    assert len(full_clip.patcher.patches) == len(layers - unet_layers) > 0
+    # Flux's text encoder lives in a file of its own, which the LoRA leaves alone
+    in_checkpoint = bool(family_host.model_family.sizes["mini"].text_encoders)
+    assert len(full_clip.patcher.patches) == len(layers - unet_layers) and (len(layers - unet_layers) > 0) == in_checkpoint
 
     base, full, half = (family_host.sample(m) for m in (model, full_model, patched[0.5][0]))
     assert torch.isfinite(full).all() and torch.isfinite(half).all()
