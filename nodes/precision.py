@@ -58,6 +58,7 @@ class SDOptPrecision:
         weight = dtype_name(pick.dtype) if weight_dtype == AUTO else None if weight_dtype == DEFAULT else weight_dtype
         config = PrecisionConfig(weight, None if compute_dtype == DEFAULT else compute_dtype, tf32, channels_last)
         stored = model.model_dtype()
+        convs = sum(p.ndim == 4 for p in model.model.diffusion_model.parameters())
         computing = model.get_model_object("manual_cast_dtype") or stored
         plan = plan_precision(config, stored, computing, device)
         if plan.weight_dtype != stored or channels_last:
@@ -68,16 +69,23 @@ class SDOptPrecision:
             m.model.manual_cast_dtype = plan.compute_dtype if plan.upcasts else None
             m.set_model_compute_dtype(m.model.manual_cast_dtype)
             before, after = weight_bytes(unet), weight_bytes(unet, plan.weight_dtype)
-            layout = ", conv weights channels-last," if channels_last else ""
-            notes.append(f"UNet weights {format_mib(before)} → {format_mib(after)} MiB{layout} in a private copy; the input model is unchanged")
+            layout = f", {convs} conv weights channels-last," if channels_last else ""
+            notes.append(f"diffusion model weights {format_mib(before)} → {format_mib(after)} MiB{layout} in a private copy; "
+                         "the input model is unchanged")
         else:
             m = model.clone()
             if plan.compute_dtype != computing:
                 m.set_model_compute_dtype(plan.compute_dtype)
         glue.set_wrappers(m, NODE, {"OUTER_SAMPLE": _tf32_sampling} if tf32 else {})
-        short = f"tf32 has no effect on {device.type}" if tf32 and device.type != "cuda" else ""
-        if short:
-            notes.append(f"{short}: it is a CUDA setting")
+        shorts = []
+        if tf32 and device.type != "cuda":
+            shorts.append(f"tf32 has no effect on {device.type}")
+            notes.append(f"{shorts[-1]}: it is a CUDA setting")
+        if channels_last and convs < 2:
+            shorts.append("channels_last: almost no convolutions to lay out")
+            notes.append("channels_last changes little here: this diffusion model has almost no convolutions "
+                         "(a diffusion transformer's only conv, if any, is its patch embedding)")
+        short = "; ".join(shorts)
         requested = f"weight={weight_dtype}, compute={compute_dtype}, tf32={'on' if tf32 else 'off'}, channels_last={'on' if channels_last else 'off'}"
         active = f"weight={dtype_name(plan.weight_dtype)}, compute={dtype_name(plan.compute_dtype)}" + (", tf32" if tf32 else "") + (", channels_last" if channels_last else "")
         glue.record_model(m, NODE, requested, active, "; ".join(notes), short)

@@ -1,4 +1,4 @@
-"""SDOptPrecision in real ComfyUI, on each family's mini checkpoint (SD1.5, SDXL).
+"""SDOptPrecision in real ComfyUI, on each family's mini checkpoint (SD1.5, SDXL, SD3.5, Flux).
 
 Two sampling steps at 64x64 with the original model and with patched clones (every dtype, auto and
 channels-last on both families): outputs stay finite and close to fp32, and the original model
@@ -11,8 +11,12 @@ import torch
 from sdopt.optim.precision import compute_supported, dtype_name
 
 NODE = "SDOptPrecision"
-# Relative L2 error of the sampled latent against the fp32 model's.
+# Relative L2 error of the sampled latent against the fp32 model's. A half-precision case may also
+# reach COMFY_BF16_FACTOR x the error of ComfyUI's own bf16 (the checkpoint loaded with bf16 weights,
+# computed in bf16): the random-weight Flux mini (3072 wide, CFG 7) loses 0.35 of its latent to bf16
+# compute in ComfyUI itself, exactly what sdopt's bf16 loses (0.005 with fp32 compute).
 REL_TOL = {"bf16": 0.06, "fp16": 0.01, "fp8_e4m3fn": 0.25, "fp32": 1e-4}
+COMFY_BF16_FACTOR = 1.25
 
 
 def rel_err(out, ref):
@@ -46,27 +50,25 @@ def _tf32_flags():
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 
 
-def _spy(seen: dict):
-    """DIFFUSION_MODEL wrapper: what the UNet got, and the TF32 flags while it ran."""
-
-    def spy(executor, x, *args, **kwargs):
-        seen.update(
-            x_dtype=x.dtype,
-            x_channels_last=x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous(),
-            tf32=_tf32_flags(),
-        )
-        return executor(x, *args, **kwargs)
-
-    return spy
-
-
 def sample_with_spy(comfy_host, model):
-    """(latent, what the UNet saw) for ``model``, spied on a clone so ``model`` keeps its wrappers."""
-    import comfy.patcher_extension
+    """(latent, what the diffusion model got and the TF32 flags while it ran) for ``model``: a global
+    forward pre-hook that watches only its diffusion model, since ComfyUI runs no wrapper around
+    SD3's (the hook is removed afterwards)."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
 
-    spied, seen = model.clone(), {}
-    spied.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test.spy", _spy(seen))
-    return comfy_host.sample(spied), seen
+    seen, target = {}, model.model.diffusion_model
+
+    def spy(module, args):
+        if module is target and args:
+            x = args[0]
+            seen.update(x_dtype=x.dtype, tf32=_tf32_flags(),
+                        x_channels_last=x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous())
+
+    handle = register_module_forward_pre_hook(spy)
+    try:
+        return comfy_host.sample(model), seen
+    finally:
+        handle.remove()
 
 
 def _cases(device):
@@ -86,7 +88,17 @@ def _cases(device):
     }
 
 
-@pytest.fixture(scope="module", params=["sd15", "sdxl"])
+def _comfy_bf16(host):
+    """The family's mini checkpoint as ComfyUI itself runs it in bf16: loaded with bf16 weights, computed in bf16."""
+    import comfy.sd
+
+    model = comfy.sd.load_checkpoint_guess_config(str(host.checkpoint), output_vae=False, output_clip=False,
+                                                  model_options={"dtype": torch.bfloat16})[0]
+    model.set_model_compute_dtype(torch.bfloat16)
+    return model
+
+
+@pytest.fixture(scope="module", params=["sd15", "sdxl", "sd35", "flux"])
 def runs(comfy_host, device, glue, request):
     """Sample one family's mini model with the original, every patched clone, then the original again."""
     host = comfy_host.family(request.param)
@@ -100,12 +112,14 @@ def runs(comfy_host, device, glue, request):
         "options": set(model.model_options),
     }
     reference = host.sample(model)
+    comfy_bf16 = rel_err(host.sample(_comfy_bf16(host)), reference)
     flags_before = _tf32_flags()
     results = {}
     for name, (tol_key, inputs) in _cases(device).items():
         patched = node.patch(model, **inputs)[0]
         out, seen = sample_with_spy(host, patched)
-        results[name] = dict(inputs=inputs, tol=REL_TOL[tol_key], model=patched, out=out, seen=seen)
+        tol = REL_TOL[tol_key] if tol_key == "fp32" else max(REL_TOL[tol_key], COMFY_BF16_FACTOR * comfy_bf16)
+        results[name] = dict(inputs=inputs, tol=tol, model=patched, out=out, seen=seen)
     return dict(
         host=host,
         model=model,
@@ -156,8 +170,9 @@ def test_weight_dtype_makes_a_private_copy_in_that_dtype(runs):
     unet = bf16["model"].model.diffusion_model
     assert bf16["model"].model is not model.model
     assert stored_dtypes(unet) == {torch.bfloat16}
-    assert unet.input_blocks[0][0].weight.is_contiguous(memory_format=torch.channels_last)
-    assert not model.model.diffusion_model.input_blocks[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in unet.parameters() if p.ndim == 4)
+    assert not any(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+                   for p in model.model.diffusion_model.parameters() if p.ndim == 4)
     assert bf16["seen"]["x_dtype"] == torch.bfloat16
 
     fp8 = _result(runs, "fp8_e4m3fn")
@@ -184,8 +199,10 @@ def test_channels_last_alone_copies_the_weights_channels_last_in_their_dtype(run
     assert result["model"].model is not model.model, "a private copy"
     assert stored_dtypes(unet) == stored_dtypes(model.model.diffusion_model)
     convs = [p for p in unet.parameters() if p.ndim == 4]
-    assert convs and all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
-    assert not model.model.diffusion_model.input_blocks[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in convs)
+    assert bool(convs) == (runs["host"].model_family.name != "flux"), "Flux has no conv (its patch embedding is linear)"
+    assert not any(p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+                   for p in model.model.diffusion_model.parameters() if p.ndim == 4)
     assert rel_err(result["out"], runs["reference"]) < REL_TOL[dtype_name(model.model_dtype())]
 
 
@@ -211,6 +228,8 @@ def test_each_patched_clone_has_one_record_saying_what_is_active(runs, glue, dev
     (record,) = glue.model_records(_result(runs, "channels_last alone")["model"].model_options)
     assert record["active"] == f"weight={loaded}, compute={loaded}, channels_last"
     assert "conv weights channels-last, in a private copy" in record["note"]
+    few_convs = sum(p.ndim == 4 for p in runs["model"].model.diffusion_model.parameters()) < 2
+    assert ("almost no convolutions" in record["short"]) == few_convs
 
     (record,) = glue.model_records(_result(runs, "bf16 weights")["model"].model_options)
     assert record["requested"] == "weight=bf16, compute=default, tf32=off, channels_last=on"
