@@ -172,7 +172,7 @@ def test_a_conv_lora_over_channels_last_weights_keeps_their_layout_and_never_rec
         assert stats.compilations == compilations, f"the LoRA recompiled: {stats.recompile_reasons}"
 
 
-@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "sd35", "flux"])
 def test_cuda_graph_passes_through_on_a_cpu_and_says_so(request, comfy_host, family):
     host, _, model, stock = _family(request, comfy_host, family)
     (patched,) = comfy_host.nodes["SDOptCUDAGraph"]().patch(model, 4, "fallback")

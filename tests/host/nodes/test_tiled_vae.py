@@ -203,3 +203,21 @@ def test_sdxl_decode_and_encode_tile_like_untiled(comfy_host, sdxl_vae, latent, 
     assert ((latents - encoded).norm() / encoded.norm()).item() <= LATENT_REL_TOL
     assert "encode: tiled 64 px, 2x3 = 6 tiles" in records(comfy_host, prompt_context)[NODE]["active"]
     assert torch.equal(decode(sdxl_vae, latent), reference), "the input VAE decodes exactly as before"
+
+
+# --- SD3.5 and Flux: the 16-channel VAE without quant convs (Flux's under ``vae.``) ---
+
+
+@pytest.mark.parametrize("family", ["sd35", "flux"])
+def test_16_channel_vae_decodes_and_encodes_tiled_like_untiled(comfy_host, family, pixels, prompt_context):
+    vae = comfy_host.family(family).load_checkpoint()[2]
+    latent = {"samples": torch.randn(1, 16, 16, 24, generator=torch.Generator().manual_seed(0))}
+    reference, encoded = decode(vae, latent), encode(vae, pixels)
+    assert encoded.shape[1] == 16
+    patched = tiled(comfy_host, vae)
+    out = decode(patched, latent)
+    assert out.shape == reference.shape and psnr(out, reference) >= MIN_PSNR_DB
+    assert records(comfy_host, prompt_context)[NODE]["active"].startswith(f"decode: tiled {TILE} px, 2x3 = 6 tiles, ")
+    latents = encode(patched, pixels)
+    assert ((latents - encoded).norm() / encoded.norm()).item() <= LATENT_REL_TOL
+    assert torch.equal(decode(vae, latent), reference), "the input VAE decodes exactly as before"

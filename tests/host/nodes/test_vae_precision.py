@@ -1,4 +1,5 @@
-"""SDOptVAEPrecision in real ComfyUI, on the mini checkpoint's VAE.
+"""SDOptVAEPrecision in real ComfyUI, on the mini checkpoint's VAE (and the 16-channel VAE of the
+SD3.5 and Flux minis for the bf16 copy).
 
 Decodes of a 4x4 latent (fp16 convolutions are slow on some CPUs): a bf16 copy decodes close to
 fp32 and leaves the input VAE as it was; the NaN guard redoes a decode whose fp16 output
@@ -59,8 +60,16 @@ def test_dtype_is_auto_by_default(comfy_host):
     assert spec["default"] == "auto"
 
 
-def test_bf16_copy_decodes_close_and_leaves_the_input_vae(comfy_host, checkpoint, latent, prompt_context):
-    vae = checkpoint[2]
+@pytest.fixture(params=["sd15", "sd35", "flux"])
+def family_vae(comfy_host, request):
+    """(VAE, a latent for it) of the SD1.5 mini and of the 16-channel VAE of the SD3.5 and Flux minis."""
+    host = comfy_host.family(request.param)
+    channels = host.model_family.latent.channels
+    return host.load_checkpoint()[2], torch.randn(1, channels, VAE_LATENT, VAE_LATENT, generator=torch.Generator().manual_seed(0))
+
+
+def test_bf16_copy_decodes_close_and_leaves_the_input_vae(comfy_host, family_vae, prompt_context):
+    vae, latent = family_vae
     dtype_before, stored_before = vae.vae_dtype, stored_dtypes(vae.first_stage_model)
     reference = decode(vae, latent)
     patched = comfy_host.nodes[NODE]().apply(vae, "bf16", True)[0]
