@@ -37,7 +37,7 @@ from ..optim.precision import DTYPES
 from ..optim.tiled_vae import free_memory
 from .bench_attention import trim_heap
 from .bench_speed import empty_latent, encode_prompts, optimization_notes, profiled_sample, timed_decode
-from .bench_unet import checkpoint_path
+from .bench_unet import checkpoint_path, load_checkpoint
 from .bench_vae import psnr
 from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, lowmem_setting
 from .progress import progress_bar
@@ -200,10 +200,8 @@ def resolution_rows(
         raise UserError(f"--offload-mb must be >= 0 (0 streams the whole UNet), not {offload_mb}")
     host = boot(comfyui, vram_cap)
     import comfy.model_management as mm
-    import comfy.sd
-
     path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
-    base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
+    base, clip, vae = load_checkpoint(path)
     dtype_names = {dtype: name for name, dtype in DTYPES.items()}
     on_gpu = base.load_device.type == "cuda"
     planner = Planner(architecture(str(path)), dtype_names.get(base.model.get_dtype(), "fp16"), "cuda" if on_gpu else "cpu")

@@ -43,7 +43,7 @@ from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table
 from ..measure.step_profile import profile_device
-from .bench_unet import checkpoint_path
+from .bench_unet import checkpoint_path, load_checkpoint
 from .bench_vae import psnr
 from .progress import progress_bar
 
@@ -314,10 +314,8 @@ def bench_speed(
         names.insert(names.index(DIFFUSERS_COMPILE), DIFFUSERS)
     profile = profile or trace_dir is not None
     host = boot(comfyui, vram_cap)
-    import comfy.sd
-
     path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
-    base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
+    base, clip, vae = load_checkpoint(path)
     conds = encode_prompts(clip, size)
     latent = empty_latent(base, size)
     built = _sdopt_rungs(host, base, [n for n in names if n not in (DIFFUSERS, DIFFUSERS_COMPILE)])

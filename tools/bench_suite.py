@@ -494,18 +494,17 @@ OFFLOAD_MODES = (("none", 0), ("budget", 1024), ("budget", 256), ("sequential", 
 
 def run_offload(out: Path, phase: Phase) -> dict:
     from .bench_speed import PROMPT, optimization_notes, pixel_difference, profiled_sample, timed_decode
-    from .bench_unet import checkpoint_path
+    from .bench_unet import checkpoint_path, load_checkpoint
     from .headless import boot
 
     options = phase.options
     host = boot(options["comfyui"] or os.environ.get("COMFYUI_PATH"))  # puts ComfyUI's modules on the path
     import comfy.model_management
     import comfy.patcher_extension
-    import comfy.sd
     import nodes as comfy_nodes
 
     models = Path(options["models"]) if options["models"] else Path(host.path) / "models"
-    base, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(checkpoint_path(options["model"], models)), output_vae=True, output_clip=True)
+    base, clip, vae = load_checkpoint(checkpoint_path(options["model"], models))
     encode = comfy_nodes.CLIPTextEncode().encode
     conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
     latent = {"samples": torch.zeros(1, 4, options["size"] // 8, options["size"] // 8)}

@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..families import MODEL_NAMES, family_of_config_class, resolve_model
+from ..families import MODEL_NAMES, family_of_config_class, model_name_of_file, resolve_model
 from ..measure.profiler import MEMORY_LABELS, PeakMemory, Timeline, format_mib, proc_status_bytes
 from ..measure.report import markdown_table
 from .bench_attention import trim_heap
-from .modelgen import write_checkpoint
+from .modelgen import text_encoder_path, write_checkpoint
 from .progress import progress_bar
 
 SEED = 0
@@ -61,17 +61,34 @@ class UNetBenchRow:
 
 def checkpoint_path(model: str, models: Path) -> Path:
     """The checkpoint for ``--model``: a generated model (``mini``, ``sdxl-mini``: written into
-    ``models/checkpoints`` once) or a checkpoint file."""
+    ``models/checkpoints`` once, Flux's text encoder into ``models/text_encoders``) or a checkpoint file."""
     if model in MODEL_NAMES:
         family, size = resolve_model(model)
         path = models / "checkpoints" / family.checkpoint_filename(size)
-        if not path.exists():
+        apart = family.text_encoder_filename(size)
+        if not path.exists() or (apart and not text_encoder_path(path).exists()):
             write_checkpoint(model, path, seed=0, dtype="fp16", progress=True)
         return path
     path = Path(model)
     if not path.is_file():
         raise UserError(f"--model {model!r} is neither one of {', '.join(MODEL_NAMES)} nor a checkpoint file")
     return path
+
+
+def load_checkpoint(path: Path) -> tuple:
+    """(model, clip, vae) of a checkpoint through ComfyUI's own loaders. A generated model whose
+    family keeps its text encoder apart (Flux) gets it from its file beside the checkpoint, loaded
+    as ComfyUI's CLIPLoader loads it."""
+    import comfy.sd
+
+    model, clip, vae, *_ = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=True, output_clip=True)
+    name = model_name_of_file(Path(path).name)
+    if clip is None and name is not None:
+        family, size = resolve_model(name)
+        if family.text_encoder_filename(size):
+            clip_type = getattr(comfy.sd.CLIPType, family.clip_type.upper())
+            clip = comfy.sd.load_clip(ckpt_paths=[str(text_encoder_path(path))], clip_type=clip_type)
+    return model, clip, vae
 
 
 PROMPT_TOKENS = 77

@@ -435,9 +435,14 @@ def _transformer_layers_per_block(unet: UNetConfig) -> int | list[int]:
 
 
 def diffusers_unet_config(name: str) -> dict:
-    """``UNet2DConditionModel(**kwargs)`` matching the UNet of model ``name``."""
+    """``UNet2DConditionModel(**kwargs)`` matching the UNet of model ``name``; a model without one
+    (SD3.5, Flux) is a UserError."""
     cfg = checkpoint_config(name)
     unet = cfg.diffusion_model
+    if not isinstance(unet, UNetConfig):
+        unet_models = ", ".join(n for n in MODEL_NAMES if isinstance(checkpoint_config(n).diffusion_model, UNetConfig))
+        raise UserError(f"{name} is a diffusion transformer: the planner and the diffusers rungs build UNet models only "
+                        f"({unet_models}); SD3.5 and Flux are not built through diffusers yet")
     levels = range(len(unet.channel_mult))
     widths = [unet.model_channels * mult for mult in unet.channel_mult]
     config = {
