@@ -10,6 +10,10 @@ MODELS := $(abspath $(SDOPT_HOME)/models)
 MINI := $(MODELS)/checkpoints/sdopt-mini-sd15.safetensors
 # The sdxl workflows and the SDXL host tests load this one (2 GB, about a minute to write).
 MINI_SDXL := $(MODELS)/checkpoints/sdopt-mini-sdxl.safetensors
+# sd35_fast and flux_lowvram load these (the host tests generate their own on first use); Flux's text
+# encoder goes to $(MODELS)/text_encoders.
+MINI_SD35 := $(MODELS)/checkpoints/sdopt-mini-sd35.safetensors
+MINI_FLUX := $(MODELS)/checkpoints/sdopt-mini-flux.safetensors
 PORT ?= 8188
 # Small enough for a CPU; `make demo DEMO_SET=` runs the workflow as saved (512x512, 20 steps).
 DEMO_SET ?= --set KSampler.steps=4 --set EmptyLatentImage.width=256 --set EmptyLatentImage.height=256
@@ -32,13 +36,19 @@ $(MINI): | comfyui
 $(MINI_SDXL): | comfyui
 	$(PY) -m sdopt make-model sdxl-mini --out $@
 
+$(MINI_SD35): | comfyui
+	$(PY) -m sdopt make-model sd35-mini --out $@
+
+$(MINI_FLUX): | comfyui
+	$(PY) -m sdopt make-model flux-mini --out $@
+
 test: comfyui $(MINI) $(MINI_SDXL)
 	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest
 
 demo: comfyui $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
 
-serve: comfyui $(MINI) $(MINI_SDXL)
+serve: comfyui $(MINI) $(MINI_SDXL) $(MINI_SD35) $(MINI_FLUX)
 	$(PY) -m sdopt serve --comfyui $(COMFY) --models $(MODELS) --port $(PORT)
 
 # Not part of `make test` or CI: 100 random prompts on a live server, under 30 min on 2 CPU cores.

@@ -3,7 +3,8 @@
 Skipped, with the reason shown, when the ``playwright`` package, /usr/bin/chromium ($SDOPT_CHROMIUM)
 or $COMFYUI_PATH is missing. Playwright's own browser downloads are never used. The server gets a
 free port and temporary output, input, temp, user and database locations; the checkpoints come from
-$SDOPT_TEST_MODELS (the SD1.5 and SDXL mini checkpoints are generated there when absent).
+$SDOPT_TEST_MODELS (the SD1.5, SDXL, SD3.5 and Flux mini checkpoints are generated there when absent;
+Flux's text encoder into its text_encoders folder).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 # The families whose mini checkpoints the example workflows load (generated into $SDOPT_TEST_MODELS when absent).
-WORKFLOW_FAMILIES = ("sd15", "sdxl")
+WORKFLOW_FAMILIES = ("sd15", "sdxl", "sd35", "flux")
 CHROMIUM = Path(os.environ.get("SDOPT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -76,13 +77,17 @@ def comfy_server(tmp_path_factory):
     from sdopt.families import FAMILIES
     from sdopt.tools.modelgen import write_checkpoint
 
+    text_encoders = checkpoints / "text_encoders"
     for family in (FAMILIES[name] for name in WORKFLOW_FAMILIES):
         checkpoint = checkpoints / family.checkpoint_filename("mini")
-        if not checkpoint.exists():
-            write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False)
+        apart = family.text_encoder_filename("mini")
+        if not checkpoint.exists() or (apart and not (text_encoders / apart).exists()):
+            write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False,
+                             text_encoder_out=text_encoders / apart if apart else None)
     models = root / "models"
     models.mkdir()
     (models / "checkpoints").symlink_to(checkpoints.resolve(), target_is_directory=True)
+    (models / "text_encoders").symlink_to(text_encoders.resolve(), target_is_directory=True)
     output, user = root / "output", root / "user"
     (user / "default").mkdir(parents=True)
     (user / "default" / "comfy.settings.json").write_text(json.dumps(SETTINGS))

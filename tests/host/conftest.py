@@ -78,8 +78,12 @@ class ComfyHostFixture:
     def family(self, name: str) -> "ComfyHostFixture":
         """This host on family ``name``'s mini checkpoint (``"sd15"``, ``"sdxl"``), generated on first use."""
         if name not in self._views:
+            import folder_paths
+
             family = FAMILIES[name]
             self._views[name] = ComfyHostFixture(self.host, _mini_checkpoint(self.models, family), family, self._views)
+            if family.text_encoder_filename("mini"):  # for workflows' Load CLIP as well as load_checkpoint
+                folder_paths.add_model_folder_path("text_encoders", str(self.models / "text_encoders"))
         return self._views[name]
 
     @property
@@ -92,13 +96,11 @@ class ComfyHostFixture:
 
     @cached_property
     def _loaded(self):
-        import folder_paths
         import nodes
 
         model, clip, vae = nodes.CheckpointLoaderSimple().load_checkpoint(self.checkpoint.name)[:3]
         text_encoder = self.model_family.text_encoder_filename("mini")
         if text_encoder:
-            folder_paths.add_model_folder_path("text_encoders", str(self.models / "text_encoders"))
             clip = nodes.CLIPLoader().load_clip(text_encoder, self.model_family.clip_type)[0]
         return model, clip, vae
 
