@@ -51,6 +51,8 @@ PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
 SEED, CFG, SAMPLER, SCHEDULER = 42, 7.0, "euler", "normal"
 STOCK = "stock"
 COMPILE_ALONE = "compile-alone"
+# Each repeated block compiled once and shared (a DiT's identical blocks), beside the whole-model compile.
+COMPILE_REGIONAL = "compile_regional"
 RUNGS = ("stock", "precision", "attention", "trace", "compile", "graph", "compile+graph", COMPILE_ALONE, "TorchCompileModel")
 CHANNELS_LAST = "compile+graph+channels_last"
 DIFFUSERS, DIFFUSERS_COMPILE = "diffusers", "diffusers+compile"
@@ -60,7 +62,7 @@ CACHE, COMPILED_CACHE, EASYCACHE, COMPILED_EASYCACHE = "cache", "compile+graph+c
 CACHE_RUNGS = (CACHE, COMPILED_CACHE, EASYCACHE, COMPILED_EASYCACHE)
 # Asked for by --rungs only: the channels-last rung compiles anew; the diffusers rungs run diffusers' own
 # UNet and pipeline on the same checkpoint's weights (tools/diffusers_pipeline.py), the competitor recipe.
-OFFERED_RUNGS = RUNGS + (CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE) + CACHE_RUNGS
+OFFERED_RUNGS = RUNGS + (COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE) + CACHE_RUNGS
 SAMPLING_SPAN = "sdopt.bench: sampler"
 CHANNELS_LAST_EAGER = "attention+channels_last"
 
@@ -170,6 +172,7 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
         "attention": lambda: Rung(attention, stack),
         "trace": lambda: over_attention(compile_(attention, "trace"), "Compile(trace)"),
         "compile": lambda: over_attention(compile_(attention, "compile"), "Compile(compile)"),
+        COMPILE_REGIONAL: lambda: over_attention(compile_(attention, "compile_regional"), "Compile(compile_regional)"),
         "graph": lambda: over_attention(graph(attention), "CUDAGraph"),
         "compile+graph": lambda: over_attention(graph(compile_(attention, "compile")), "Compile(compile) → CUDAGraph"),
         CHANNELS_LAST: channels_last,

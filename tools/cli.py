@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
-from .bench_speed import CHANNELS_LAST, RUNGS as SPEED_RUNGS
+from .bench_speed import CACHE_RUNGS, CHANNELS_LAST, COMPILE_REGIONAL, RUNGS as SPEED_RUNGS
 from .bench_suite import SUITE_LIMIT_S
 from ..families import MODEL_NAMES, resolve_model
 from .modelgen import CHECKPOINT_DTYPES, SIZES
@@ -358,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--steps", type=int, default=20)
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
     speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=(
-        f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {CHANNELS_LAST}, and diffusers and diffusers+compile "
+        f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {COMPILE_REGIONAL} (each repeated block compiled once), "
+        f"{CHANNELS_LAST}, the step cache rungs ({', '.join(CACHE_RUNGS)}), and diffusers and diffusers+compile "
         "(diffusers' own UNet and pipeline on the same weights: fp16, SDPA, channels-last, torch.compile max-autotune)"))
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
     speed.add_argument("--profile", action="store_true",
