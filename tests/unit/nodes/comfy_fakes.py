@@ -44,6 +44,10 @@ class SSD1B(SDXL):
     pass
 
 
+class SD3:  # SD3 and SD3.5: ComfyUI runs no DIFFUSION_MODEL wrappers around its MMDiT
+    pass
+
+
 class AuraFlow:  # a ComfyUI model no sdopt family describes
     pass
 
@@ -120,6 +124,15 @@ class TinyXLUNet(TinyUNet):
 
     def _forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}):
         return super()._forward(x, timesteps, context, y, control, transformer_options) + self.label_emb(y)[:, :, None, None]
+
+
+class TinyMMDiT(TinyXLUNet):
+    """SD3's calling convention: ``forward`` itself runs the model, no ``_forward`` and no wrappers."""
+
+    def forward(self, x, timesteps=None, context=None, y=None, control=None, transformer_options={}):
+        return TinyXLUNet._forward(self, x, timesteps, context, y, control, transformer_options)
+
+    _forward = property()  # ComfyUI's MMDiT has none: a call of it must fail
 
 
 class FastPatcher(WrappedPatcher):

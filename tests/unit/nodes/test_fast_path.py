@@ -1,5 +1,7 @@
 """nodes.fast_path (the chain SDOptCompile, SDOptCUDAGraph and SDOptStepCache configure) against fakes
 of ComfyUI's patcher and UNet calling convention."""
+import types
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from sdopt.nodes import glue
 from sdopt.nodes.fast_path import CHAIN, COMPILE, FAST_PATH_KEY, GRAPH, STEP_CACHE, FastPath, fast_path_of
 from sdopt.optim.precision import converted_copy
 
-from .comfy_fakes import SDXL, SSD1B, AuraFlow, FastPatcher, TinyUNet, TinyXLUNet, install, keyed_wrappers, sdxl_vector, unet_inputs
+from .comfy_fakes import (SD3, SDXL, SSD1B, AuraFlow, FastPatcher, TinyMMDiT, TinyUNet, TinyXLUNet, install, keyed_wrappers,
+                          sdxl_vector, unet_inputs)
 
 pytestmark = pytest.mark.usefixtures("no_comfyui")
 
@@ -69,6 +72,44 @@ def test_fast_path_calls_the_unet_with_tensors_and_stable_options_only(patcher_e
     assert fast_path_calls and all(keys == ["optimized_attention_override"] for keys in fast_path_calls), "per-step options never reach the UNet"
     (stats,), graphs = fast_path.stats()
     assert stats.compilations == 1 and graphs == []
+
+
+class ApplyModel:
+    """ComfyUI's APPLY_MODEL executor: ``class_obj`` is the BaseModel, calling it runs ``_apply_model``,
+    which calls the diffusion model (here: with SD3's keyword inputs)."""
+
+    def __init__(self, diffusion_model, fail=False):
+        self.class_obj, self.fail = types.SimpleNamespace(diffusion_model=diffusion_model), fail
+
+    def __call__(self, x, t, context, y, transformer_options):
+        out = self.class_obj.diffusion_model(x, t, context=context, y=y, control=None, transformer_options=transformer_options)
+        if self.fail:
+            raise RuntimeError("interrupted")
+        return out
+
+
+@torch.inference_mode()
+def test_sd3s_mmdit_is_routed_through_the_fast_path_for_each_call_and_restored(patcher_extension):
+    """ComfyUI runs no DIFFUSION_MODEL wrappers around SD3's model: the fast path sits in an APPLY_MODEL
+    wrapper that routes the model's forward through it while the call lasts."""
+    patched = _compile_node(FastPatcher(SD3))
+    assert set(keyed_wrappers(patched, FAST_PATH_KEY)) == {"apply_model", "sampler_sample"}
+    (router,) = keyed_wrappers(patched, FAST_PATH_KEY)["apply_model"]
+    fast_path = fast_path_of(patched)
+    assert router.fast_path is fast_path and fast_path.family.call.plain_forward == "forward"
+    mmdit = TinyMMDiT()
+    x, t, context = unet_inputs()
+    y = sdxl_vector(0)
+    reference = mmdit(x, t, context, y)
+    for _ in range(3):
+        torch.testing.assert_close(router(ApplyModel(mmdit), x, t, context, y, {}), reference, rtol=0, atol=0)
+        assert "forward" not in mmdit.__dict__, "the model's own forward is back after the call"
+    (stats,), _ = fast_path.stats()
+    assert stats.compilations == 1 and not fast_path.eager_reasons
+    with pytest.raises(RuntimeError, match="interrupted"):
+        router(ApplyModel(mmdit, fail=True), x, t, context, y, {})
+    assert "forward" not in mmdit.__dict__, "restored after a failed call too"
+    torch.testing.assert_close(mmdit(x, t, context, y), reference, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("case,reason", [
