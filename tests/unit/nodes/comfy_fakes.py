@@ -52,9 +52,20 @@ class AuraFlow:  # a ComfyUI model no sdopt family describes
     pass
 
 
-def base_model(config_class):
+def base_model(config_class, diffusion_model=None):
     """A BaseModel as the family lookup sees it."""
-    return types.SimpleNamespace(model_config=config_class())
+    return types.SimpleNamespace(model_config=config_class(), diffusion_model=diffusion_model or nn.Identity())
+
+
+class ApplyModelExecutor:
+    """ComfyUI's APPLY_MODEL executor: calling it runs ``fn``; ``class_obj`` is the BaseModel, whose
+    ``diffusion_model`` is ``diffusion_model``."""
+
+    def __init__(self, fn, diffusion_model=None):
+        self.fn, self.class_obj = fn, types.SimpleNamespace(diffusion_model=diffusion_model or nn.Identity())
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
 class WrappersMP:
@@ -147,6 +158,9 @@ class FastPatcher(WrappedPatcher):
         n.__class__ = type(self)
         n.model = self.model
         return n
+
+    def get_model_object(self, name):
+        return getattr(self.model, name)
 
 
 def unet_inputs(seed=0):

@@ -23,8 +23,8 @@ from sdopt.nodes import prompt_context
 from sdopt.optim.attention import backend_function, naive_attention
 from sdopt.optim.precision import converted_copy
 
-from .comfy_fakes import (PROMPT, SD15, SDXL, SSD1B, AuraFlow, FastPatcher, TinyXLUNet, WrappedPatcher, base_model, install, keyed_wrappers,
-                          sdxl_vector, unet_inputs)
+from .comfy_fakes import (PROMPT, SD15, SDXL, SSD1B, ApplyModelExecutor, AuraFlow, FastPatcher, TinyXLUNet, WrappedPatcher, base_model,
+                          install, keyed_wrappers, sdxl_vector, unet_inputs)
 
 pytestmark = pytest.mark.usefixtures("no_comfyui")
 
@@ -895,7 +895,7 @@ def test_low_memory_slices_the_feedforward_modules_its_family_names(patcher_exte
         (m,) = SDOptLowMemory().patch(FastPatcher(config_class), 1, False, True)
         (apply_model,) = keyed_wrappers(m, NODE)["apply_model"]
         mlp = Mlp()
-        torch.testing.assert_close(apply_model(lambda x, *a, **k: mlp(x), x, None), Mlp()(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(apply_model(ApplyModelExecutor(lambda x, *a, **k: mlp(x), mlp), x, None), Mlp()(x), rtol=1e-5, atol=1e-6)
         tokens[config_class.__name__] = max(mlp.tokens_seen)
     assert tokens == {"SDXL": 2048, "SD15": 4096}, "only the family that names Mlp slices it"
 
@@ -915,7 +915,7 @@ def test_sequential_cfg_splits_sdxls_y_with_the_batch(patcher_extension, comfy_a
 
     x, t, context = unet_inputs()
     y = sdxl_vector(0)
-    out = apply_model(executor, x, t, None, context, None, {}, y=y)
+    out = apply_model(ApplyModelExecutor(executor, unet), x, t, None, context, None, {}, y=y)
     assert seen == [(1, 1), (1, 1)], "cond and uncond one after the other, each with its own y"
     torch.testing.assert_close(out, unet._forward(x, t, context, y), rtol=1e-5, atol=1e-6)
 
