@@ -15,6 +15,7 @@ class) lives in that copy: tests reach it through ``comfy_host.pack("nodes.promp
 """
 import copy
 import os
+import re
 import sys
 import uuid
 from functools import cached_property
@@ -34,6 +35,8 @@ WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 # The plain sampling run that node tests compare patched clones on: 2 euler steps at 64x64.
 STEPS, SIZE, SEED, CFG = 2, 64, 42, 7.0
 PROMPT = "a lighthouse on a cliff"
+# ComfyUI's node mode for a bypassed node (Ctrl+B).
+BYPASSED = 4
 # What workflow tests set on the shipped workflows (512x512, 20 steps) to stay fast on a CPU.
 SMALL = ["KSampler.steps=2", "EmptyLatentImage.width=64", "EmptyLatentImage.height=64"]
 # Workflow inputs of sd15_precision_attention.json that keep a CPU run fast and fp32-exact.
@@ -193,6 +196,29 @@ class ComfyHostFixture:
         """The id of the one node of ``class_type`` in an API prompt."""
         (found,) = [key for key, node in prompt.items() if node["class_type"] == class_type]
         return found
+
+    @staticmethod
+    def image(outcome, prefix: str):
+        """The one image a workflow run saved under a name starting with ``prefix``, as int16 levels."""
+        import numpy as np
+        from PIL import Image
+
+        (path,) = [p for p in outcome.images if p.name.startswith(prefix)]
+        return np.asarray(Image.open(path), dtype=np.int16)
+
+    @staticmethod
+    def bypassed(workflow: dict, node_types) -> dict:
+        """``workflow`` (UI format) with every node of ``node_types`` bypassed, as a user does with Ctrl+B."""
+        for node in workflow["nodes"]:
+            if node["type"] in node_types:
+                node["mode"] = BYPASSED
+        return workflow
+
+    @staticmethod
+    def compilations(run) -> int:
+        """How many compilations the SDOptCompile record of a profiled run counts."""
+        (record,) = [o for o in run["optimizations"] if o["node"] == "SDOptCompile"]
+        return int(re.search(r"(\d+) compilation\(s\)", record["active"]).group(1))
 
     @staticmethod
     def wrapper_counts(model, key: str) -> dict[str, int]:

@@ -15,23 +15,10 @@ WORKFLOW = "flux_lowvram.json"
 SDOPT_NODES = ("SDOptOffload", "SDOptLowMemory", "SDOptTiledVAE", "SDOptProfiler", "SDOptProfileReport")
 MAX_LEVEL_DIFF = 1
 FORCE_SLICES = ["SDOptLowMemory.budget_mb=1", "SDOptTiledVAE.tile=64", "SDOptTiledVAE.only_when_needed=false"]
-BYPASSED = 4
 
 
 def _size(side, steps=1):
     return [f"KSampler.steps={steps}", f"EmptyLatentImage.width={side}", f"EmptyLatentImage.height={side}"]
-
-
-def _image(outcome):
-    (path,) = [p for p in outcome.images if p.name.startswith("flux_lowvram")]
-    return np.asarray(Image.open(path), dtype=np.int16)
-
-
-def _without_sdopt(workflow: dict) -> dict:
-    for node in workflow["nodes"]:
-        if node["type"] in SDOPT_NODES:
-            node["mode"] = BYPASSED
-    return workflow
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +29,7 @@ def flux(comfy_host):
 @pytest.fixture(scope="module")
 def runs(flux):
     path = flux.WORKFLOWS / WORKFLOW
-    stock = _without_sdopt(json.loads(path.read_text()))
+    stock = flux.bypassed(json.loads(path.read_text()), SDOPT_NODES)
     return {
         "stock 64": flux.run(stock, flux.SMALL),
         64: flux.run(path, flux.SMALL),
@@ -52,8 +39,8 @@ def runs(flux):
 
 
 @pytest.mark.parametrize("side", [64, 128])
-def test_image_equals_the_workflow_without_sdopt(runs, side):
-    stock, patched = _image(runs[f"stock {side}"]), _image(runs[side])
+def test_image_equals_the_workflow_without_sdopt(flux, runs, side):
+    stock, patched = flux.image(runs[f"stock {side}"], "flux_lowvram"), flux.image(runs[side], "flux_lowvram")
     assert runs[f"stock {side}"].report is None, "no sdopt node ran"
     assert patched.shape == (side, side, 3)
     assert np.abs(stock - patched).max() <= MAX_LEVEL_DIFF

@@ -18,24 +18,10 @@ SDOPT_NODES = ("SDOptOffload", "SDOptLowMemory", "SDOptTiledVAE", "SDOptProfiler
 MAX_LEVEL_DIFF = 1
 # At 256x256 these slice and tile what the saved settings leave whole at this size.
 FORCE_SLICES = ["SDOptLowMemory.budget_mb=1", "SDOptTiledVAE.tile=128", "SDOptTiledVAE.only_when_needed=false"]
-BYPASSED = 4
 
 
 def _size(side, steps=1):
     return [f"KSampler.steps={steps}", f"EmptyLatentImage.width={side}", f"EmptyLatentImage.height={side}"]
-
-
-def _image(outcome):
-    (path,) = [p for p in outcome.images if p.name.startswith("sdxl_lowvram")]
-    return np.asarray(Image.open(path), dtype=np.int16)
-
-
-def _without_sdopt(workflow: dict) -> dict:
-    """The same workflow with every sdopt node bypassed, as a user does with Ctrl+B."""
-    for node in workflow["nodes"]:
-        if node["type"] in SDOPT_NODES:
-            node["mode"] = BYPASSED
-    return workflow
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +32,7 @@ def sdxl(comfy_host):
 @pytest.fixture(scope="module")
 def runs(sdxl):
     path = sdxl.WORKFLOWS / WORKFLOW
-    stock = _without_sdopt(json.loads(path.read_text()))
+    stock = sdxl.bypassed(json.loads(path.read_text()), SDOPT_NODES)
     return {
         "stock 64": sdxl.run(stock, sdxl.SMALL),
         64: sdxl.run(path, sdxl.SMALL),
@@ -55,15 +41,15 @@ def runs(sdxl):
     }
 
 
-def test_it_completes(runs):
+def test_it_completes(sdxl, runs):
     (run,) = runs[256].report.runs
     assert run["label"] == "sdxl low vram" and len(run["steps"]) == 1
-    assert _image(runs[256]).shape == (256, 256, 3)
+    assert sdxl.image(runs[256], "sdxl_lowvram").shape == (256, 256, 3)
 
 
 @pytest.mark.parametrize("side", [64, 256])
-def test_image_equals_the_workflow_without_sdopt(runs, side):
-    stock, patched = _image(runs[f"stock {side}"]), _image(runs[side])
+def test_image_equals_the_workflow_without_sdopt(sdxl, runs, side):
+    stock, patched = sdxl.image(runs[f"stock {side}"], "sdxl_lowvram"), sdxl.image(runs[side], "sdxl_lowvram")
     assert runs[f"stock {side}"].report is None, "no sdopt node ran"
     assert np.abs(stock - patched).max() <= MAX_LEVEL_DIFF
 
