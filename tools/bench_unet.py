@@ -86,8 +86,12 @@ def load_checkpoint(path: Path) -> tuple:
     if clip is None and name is not None:
         family, size = resolve_model(name)
         if family.text_encoder_filename(size):
+            text_encoder = text_encoder_path(path)
+            if not text_encoder.is_file():
+                raise UserError(f"{name}'s text encoder {str(text_encoder)!r} is missing: write both files with "
+                                f"`python -m sdopt make-model {name} --out {path}`")
             clip_type = getattr(comfy.sd.CLIPType, family.clip_type.upper())
-            clip = comfy.sd.load_clip(ckpt_paths=[str(text_encoder_path(path))], clip_type=clip_type)
+            clip = comfy.sd.load_clip(ckpt_paths=[str(text_encoder)], clip_type=clip_type)
     return model, clip, vae
 
 
