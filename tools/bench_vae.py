@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..families import MODEL_NAMES, VAE_PREFIX, checkpoint_config, resolve_model
+from ..families import MODEL_NAMES, checkpoint_config, resolve_model
 from ..measure.profiler import format_mib, peak_rss_growth
 from ..measure.report import markdown_table
 from .bench_attention import trim_heap
@@ -75,8 +75,9 @@ def build_vae(model: str = "full", overrides: dict | None = None, seed: int = SE
     torch.manual_seed(seed)
     vae = AutoencoderKL(**{**diffusers_vae_config(model), **(overrides or {})}).eval()
     if not overrides:
-        specs = vae_ldm_specs(checkpoint_config(model).vae)
-        ldm = {key: generate_tensor(VAE_PREFIX + key, spec, seed, torch.float16).float() for key, spec in specs.items()}
+        cfg = checkpoint_config(model)
+        specs = vae_ldm_specs(cfg.vae)
+        ldm = {key: generate_tensor(cfg.vae_prefix + key, spec, seed, torch.float16).float() for key, spec in specs.items()}
         vae.load_state_dict(convert_ldm_vae_checkpoint(ldm, vae.config))
     return vae
 

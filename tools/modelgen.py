@@ -494,6 +494,9 @@ def diffusers_vae_config(name: str) -> dict:
         "layers_per_block": vae.num_res_blocks,
         "latent_channels": vae.z_channels,
         "scaling_factor": family.latent.scale,
+        # SD3's and Flux's VAEs (diffusers 0.30+ takes these); the UNet families' keep diffusers' defaults
+        **({"shift_factor": family.latent.shift} if family.latent.shift else {}),
+        **({} if vae.quant_conv else {"use_quant_conv": False, "use_post_quant_conv": False}),
     }
 
 

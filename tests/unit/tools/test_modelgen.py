@@ -535,6 +535,18 @@ def test_dit_vae_has_16_latent_channels_and_no_quant_convs(name):
     assert not any("quant_conv" in key for key in vae)
 
 
+@pytest.mark.parametrize("name", ["sd35-tiny", "flux-tiny"])
+def test_16_channel_vae_loads_strictly_into_diffusers_and_decodes(name):
+    """bench vae builds the DiTs' VAE with diffusers: no quant convs, SD3's and Flux's shift."""
+    cfg = checkpoint_config(name)
+    vae = AutoencoderKL(**diffusers_vae_config(name)).eval()
+    ldm = {key: torch.zeros(spec.shape) for key, spec in vae_ldm_specs(cfg.vae).items()}
+    vae.load_state_dict(convert_ldm_vae_checkpoint(ldm, vae.config), strict=True)
+    assert vae.config.latent_channels == 16 and vae.config.shift_factor == resolve_model(name)[0].latent.shift
+    with torch.no_grad():
+        assert vae.decode(torch.randn(1, 16, 4, 4)).sample.shape == (1, 3, 8, 8)
+
+
 def test_sd35_text_encoders_carry_their_projections_under_sd3_s_prefixes():
     full = checkpoint_specs("sd35-full")
     assert full["text_encoders.clip_g.transformer.text_projection.weight"].shape == (1280, 1280)
