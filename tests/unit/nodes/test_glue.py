@@ -20,7 +20,7 @@ from sdopt.nodes import attention as attention_node
 from sdopt.nodes import glue
 from sdopt.nodes import profiler as profiler_node
 from sdopt.nodes import prompt_context
-from sdopt.optim.attention import backend_function, naive_attention
+from sdopt.optim.attention import AttentionConfig, backend_function, build_attention, naive_attention
 from sdopt.optim.precision import converted_copy
 
 from .comfy_fakes import (PROMPT, SD15, SDXL, SSD1B, ApplyModelExecutor, AuraFlow, FastPatcher, TinyXLUNet, WrappedPatcher, base_model,
@@ -605,6 +605,21 @@ def test_override_hands_custom_scale_and_gqa_back_to_comfyui(comfy_attention, ex
     assert got == kwargs, "ComfyUI's function receives the same keyword arguments"
     assert report.calls == [((), {"delegated": True})]
     assert attention.calls == []
+
+
+def test_override_hands_calls_no_sdopt_backend_takes_to_comfyui_when_falling_back(comfy_attention):
+    """fp64 inputs: no sdopt backend runs them. ``fallback`` never fails the prompt: ComfyUI's own
+    function runs that call, and the report hears of it."""
+    report, func = Recorder(), Recorder(result="comfy's output")
+    override = attention_node.comfy_attention_override(build_attention(AttentionConfig(backend="sdpa")), report)
+    q, k, v = _packed_qkv(torch.float64)
+    assert override(func, q, k, v, 4) == "comfy's output"
+    ((args, _),) = func.calls
+    assert args[:4] == (q, k, v, 4)
+    assert report.calls == [((), {"delegated": True})]
+    with pytest.raises(UserError, match="sdpa cannot run here"):
+        error = attention_node.comfy_attention_override(build_attention(AttentionConfig(backend="sdpa", on_unavailable="error")), Recorder())
+        error(Recorder(), q, k, v, 4)
 
 
 @pytest.mark.parametrize("extra", [{}, {"scale": None}, {"enable_gqa": False}, {"transformer_options": {}}])
