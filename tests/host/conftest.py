@@ -31,6 +31,9 @@ HOST_FAMILIES = ("sd15", "sdxl", "sd35", "flux")
 # The diffusion transformers and the UNets: a test that takes ``dit_host`` (``unet_host``) runs once on each.
 DIT_FAMILIES = ("sd35", "flux")
 UNET_FAMILIES = ("sd15", "sdxl")
+# Every family but Flux, whose mini (one block of each kind at the real width of 3072) costs seconds a
+# step on a CPU: for tests with many samples whose subject SD3.5 shows for the diffusion transformers.
+LEAN_FAMILIES = ("sd15", "sdxl", "sd35")
 WORKFLOWS = Path(__file__).resolve().parents[2] / "workflows"
 # The plain sampling run that node tests compare patched clones on: 2 euler steps at 64x64.
 STEPS, SIZE, SEED, CFG = 2, 64, 42, 7.0
@@ -248,6 +251,12 @@ def comfy_host(tmp_path_factory):
 @pytest.fixture(params=HOST_FAMILIES)
 def family_host(request, comfy_host):
     """``comfy_host`` on each family's mini checkpoint in turn: a test that takes it runs once per family."""
+    return comfy_host.family(request.param)
+
+
+@pytest.fixture(params=LEAN_FAMILIES)
+def lean_host(request, comfy_host):
+    """``comfy_host`` on each family's mini checkpoint but Flux's (see LEAN_FAMILIES)."""
     return comfy_host.family(request.param)
 
 

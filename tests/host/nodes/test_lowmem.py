@@ -88,18 +88,18 @@ def test_chunked_ops_on_the_whole_cfg_batch_match_stock(family_host):
     assert close(family_host.sample(patched), stock), family_host.model_family.title
 
 
-def test_a_lora_after_and_before_the_node_is_used_at_each_strength(family_host):
+def test_a_lora_after_and_before_the_node_is_used_at_each_strength(lean_host):
     """After: a LoRA loader downstream of the node, its strength changed. Before: upstream, so the node
     runs again on each new model, as ComfyUI re-runs it when the strength changes."""
-    model = family_host.load_checkpoint()[0]
-    stock = family_host.sample(model)
-    lora, node = family_host.lora(), family_host.nodes["SDOptLowMemory"]()
+    model = lean_host.load_checkpoint()[0]
+    stock = lean_host.sample(model)
+    lora, node = lean_host.lora(), lean_host.nodes["SDOptLowMemory"]()
     (patched,) = node.patch(model, 1, True, True)
     for strength in (1.0, 0.5, 1.0):
-        eager = family_host.sample(family_host.with_lora(model, lora, strength))
+        eager = lean_host.sample(lean_host.with_lora(model, lora, strength))
         assert not close(eager, stock), "the test LoRA must change the output"
-        after = family_host.sample(family_host.with_lora(patched, lora, strength))
+        after = lean_host.sample(lean_host.with_lora(patched, lora, strength))
         assert close(after, eager), f"LoRA after the node, strength {strength}"
-        (before,) = node.patch(family_host.with_lora(model, lora, strength), 1, True, True)
-        assert close(family_host.sample(before), eager), f"LoRA before the node, strength {strength}"
-    assert torch.equal(family_host.sample(model), stock), "the model the node was given is unchanged"
+        (before,) = node.patch(lean_host.with_lora(model, lora, strength), 1, True, True)
+        assert close(lean_host.sample(before), eager), f"LoRA before the node, strength {strength}"
+    assert torch.equal(lean_host.sample(model), stock), "the model the node was given is unchanged"

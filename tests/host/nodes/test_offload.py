@@ -42,14 +42,14 @@ def test_on_a_cpu_error_names_the_input(comfy_host):
 
 
 @pytest.mark.parametrize("mode", ["budget", "sequential", "none"])
-def test_each_mode_keeps_its_residency_and_samples_what_stock_samples(family_host, offload, prompt_context, mode):
+def test_each_mode_keeps_its_residency_and_samples_what_stock_samples(lean_host, offload, prompt_context, mode):
     nodes_offload, optim_offload = offload
-    model = family_host.load_checkpoint()[0]
-    stock = family_host.sample(model)
+    model = lean_host.load_checkpoint()[0]
+    stock = lean_host.sample(model)
     size = model.model_size()
     budget = size // 3
     patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig(mode, budget), f"mode={mode}")
-    out = family_host.sample(_profiled(family_host, patched))
+    out = lean_host.sample(_profiled(lean_host, patched))
     torch.testing.assert_close(out, stock, rtol=0, atol=0)
     resident = patched.loaded_size()
     if mode == "budget":
@@ -62,9 +62,9 @@ def test_each_mode_keeps_its_residency_and_samples_what_stock_samples(family_hos
         assert resident < loose + size * 0.01
     else:
         assert resident == size
-    active = _run_record(family_host, prompt_context)["active"]
+    active = _run_record(lean_host, prompt_context)["active"]
     assert active.startswith(mode) and f"{resident / 2**20:,.1f} of {size / 2**20:,.1f} MiB of weights resident" in active
-    assert torch.equal(family_host.sample(model), stock)
+    assert torch.equal(lean_host.sample(model), stock)
 
 
 def test_unload_after_frees_the_weights_when_sampling_ends(family_host, offload, prompt_context):

@@ -1,4 +1,5 @@
-"""SDOptPrecision in real ComfyUI, on each family's mini checkpoint (SD1.5, SDXL, SD3.5, Flux).
+"""SDOptPrecision in real ComfyUI, on each family's mini checkpoint (SD1.5, SDXL, SD3.5; Flux's bf16
+against ComfyUI's own).
 
 Two sampling steps at 64x64 with the original model and with patched clones (every dtype, auto and
 channels-last on both families): outputs stay finite and close to fp32, and the original model
@@ -98,7 +99,7 @@ def _comfy_bf16(host):
     return model
 
 
-@pytest.fixture(scope="module", params=["sd15", "sdxl", "sd35", "flux"])
+@pytest.fixture(scope="module", params=["sd15", "sdxl", "sd35"])
 def runs(comfy_host, device, glue, request):
     """Sample one family's mini model with the original, every patched clone, then the original again."""
     host = comfy_host.family(request.param)
@@ -130,6 +131,22 @@ def runs(comfy_host, device, glue, request):
         flags_after=_tf32_flags(),
         results=results,
     )
+
+
+def test_flux_in_bf16_equals_comfyuis_own_bf16_bitwise_and_leaves_the_model_alone(comfy_host):
+    """Flux's mini (3072 wide; every dtype case of ``runs`` is held on SD1.5, SDXL and SD3.5): bf16
+    weights computed in bf16 give exactly what ComfyUI's own bf16 gives, which loses 0.35 of the
+    latent to bf16 compute on these random weights; bf16 weights computed in fp32 stay close."""
+    host = comfy_host.family("flux")
+    model = host.load_checkpoint()[0]
+    reference = host.sample(model)
+    node = host.nodes[NODE]()
+    bf16 = node.patch(model, "bf16", "default", False, False)[0]
+    assert stored_dtypes(bf16.model.diffusion_model) == {torch.bfloat16}
+    assert torch.equal(host.sample(bf16), host.sample(_comfy_bf16(host)))
+    upcast = node.patch(model, "bf16", "fp32", False, False)[0]
+    assert rel_err(host.sample(upcast), reference) < REL_TOL["fp16"]
+    assert torch.equal(host.sample(model), reference), "the model the node was given must be unchanged"
 
 
 def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs, glue):
