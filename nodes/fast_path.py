@@ -1,7 +1,8 @@
 """The fast path: one chain of UNet-forward techniques (step cache, compile, CUDA graph).
 
-``FastPath`` is the DIFFUSION_MODEL wrapper that SDOptStepCache, SDOptCompile and SDOptCUDAGraph
-configure, each at its place in ``CHAIN``: the step cache picks which forward a call runs (the whole
+``FastPath`` is the DIFFUSION_MODEL wrapper (for a model ComfyUI runs no such wrappers around, SD3's
+MMDiT, it sits behind ``ForwardRouter``, an APPLY_MODEL wrapper) that SDOptStepCache, SDOptCompile
+and SDOptCUDAGraph configure, each at its place in ``CHAIN``: the step cache picks which forward a call runs (the whole
 UNet or its shallow branch), compile compiles it and a CUDA graph replays it. ``fast_path_clone`` is
 what those nodes call; ``ComfyUNetBlocks`` shows ComfyUI's UNetModel to the step cache.
 """
@@ -164,7 +165,8 @@ _WRAPPERS = {COMPILE: _compile_transform, GRAPH: _graph_transform}
 
 
 class FastPath:
-    """The DIFFUSION_MODEL wrapper of SDOptCompile, SDOptCUDAGraph and SDOptStepCache: one per patched clone.
+    """The DIFFUSION_MODEL wrapper of SDOptCompile, SDOptCUDAGraph and SDOptStepCache (or what
+    ``ForwardRouter`` calls): one per patched clone.
 
     The diffusion model is called with its tensor inputs only (those ``family``'s call names:
     SDXL's ``y`` too), through ``CHAIN``: the techniques in ``configs`` (keyed by their place in the

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -344,6 +345,20 @@ class _LowMemoryMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# {model: {names: ids of its submodules with those attribute names}}: low_memory enters once per model
+# call, and walking a UNet's thousands of modules on every step would cost milliseconds of a GPU step.
+_NAMED_SUBMODULES: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _named_submodules(module: nn.Module, names: frozenset[str]) -> frozenset[int]:
+    """The ids of ``module``'s submodules whose attribute name in their parent is in ``names``,
+    found once per module and set of names."""
+    per_module = _NAMED_SUBMODULES.setdefault(module, {})
+    if names not in per_module:
+        per_module[names] = frozenset(id(sub) for name, sub in module.named_modules() if name.rpartition(".")[2] in names)
+    return per_module[names]
+
+
 class _FeedForwardSlicer:
     """Global forward hooks that run matching token-wise modules over token slices.
 
@@ -356,10 +371,7 @@ class _FeedForwardSlicer:
     def __init__(self, config: LowMemConfig, within: nn.Module | None = None):
         self.names = frozenset(config.feedforward_modules)
         # Modules of ``within`` matched by attribute name; class names match anywhere.
-        self.named = frozenset(
-            id(sub) for name, sub in (within.named_modules() if within is not None else ())
-            if name.rpartition(".")[2] in self.names
-        )
+        self.named = _named_submodules(within, self.names) if within is not None else frozenset()
         self.budget = config.budget_bytes
         self.slicing: set[int] = set()
         self.pending: dict[int, torch.Tensor] = {}
