@@ -27,7 +27,7 @@ from ..families import MODEL_NAMES, family_of_config_class, model_name_of_file, 
 from ..measure.profiler import MEMORY_LABELS, PeakMemory, Timeline, format_mib, proc_status_bytes
 from ..measure.report import markdown_table
 from .bench_attention import trim_heap
-from .modelgen import text_encoder_path, write_checkpoint
+from .modelgen import ensure_checkpoint, text_encoder_path
 from .progress import progress_bar
 
 SEED = 0
@@ -64,11 +64,7 @@ def checkpoint_path(model: str, models: Path) -> Path:
     ``models/checkpoints`` once, Flux's text encoder into ``models/text_encoders``) or a checkpoint file."""
     if model in MODEL_NAMES:
         family, size = resolve_model(model)
-        path = models / "checkpoints" / family.checkpoint_filename(size)
-        apart = family.text_encoder_filename(size)
-        if not path.exists() or (apart and not text_encoder_path(path).exists()):
-            write_checkpoint(model, path, seed=0, dtype="fp16", progress=True)
-        return path
+        return ensure_checkpoint(model, models / "checkpoints" / family.checkpoint_filename(size), progress=True)
     path = Path(model)
     if not path.is_file():
         raise UserError(f"--model {model!r} is neither one of {', '.join(MODEL_NAMES)} nor a checkpoint file")

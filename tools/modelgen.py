@@ -653,6 +653,18 @@ def write_checkpoint(
                              param_count(specs) + param_count(text_specs), file_bytes, text_file)
 
 
+def ensure_checkpoint(name: str, out: str | os.PathLike, *, text_encoder_out: str | os.PathLike | None = None,
+                      progress: bool = False) -> Path:
+    """``out``, written (seed 0, fp16) where it or its family's separate text encoder file
+    (``text_encoder_out``, default ``text_encoder_path(out)``) is missing."""
+    family, size = resolve_model(name)
+    path = Path(out)
+    text_encoder = Path(text_encoder_out or text_encoder_path(path)) if family.text_encoder_filename(size) else None
+    if not path.exists() or (text_encoder is not None and not text_encoder.exists()):
+        write_checkpoint(name, path, seed=0, dtype="fp16", progress=progress, text_encoder_out=text_encoder)
+    return path
+
+
 # The layers a LoRA adapts, as kohya's sd-scripts trains them (the format ComfyUI's LoraLoader maps):
 # an LDM UNet's transformer-block linears and each text encoder layer's attention and MLP.
 _LORA_UNET_LAYERS = re.compile(r"\.transformer_blocks\.\d+\.(attn[12]\.to_(q|k|v|out\.0)|ff\.net\.(0\.proj|2))\.weight$")

@@ -75,15 +75,13 @@ def comfy_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("browser")
     checkpoints = Path(os.environ.get("SDOPT_TEST_MODELS") or root / "checkpoints")
     from sdopt.families import FAMILIES
-    from sdopt.tools.modelgen import write_checkpoint
+    from sdopt.tools.modelgen import ensure_checkpoint
 
     text_encoders = checkpoints / "text_encoders"
     for family in (FAMILIES[name] for name in WORKFLOW_FAMILIES):
-        checkpoint = checkpoints / family.checkpoint_filename("mini")
         apart = family.text_encoder_filename("mini")
-        if not checkpoint.exists() or (apart and not (text_encoders / apart).exists()):
-            write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False,
-                             text_encoder_out=text_encoders / apart if apart else None)
+        ensure_checkpoint(family.model_name("mini"), checkpoints / family.checkpoint_filename("mini"),
+                          text_encoder_out=text_encoders / apart if apart else None)
     models = root / "models"
     models.mkdir()
     (models / "checkpoints").symlink_to(checkpoints.resolve(), target_is_directory=True)

@@ -54,15 +54,11 @@ FP32_PRECISION_ATTENTION = [
 def _mini_checkpoint(models: Path, family: Family) -> Path:
     """``family``'s mini checkpoint in ``models``, generated (seed 0, fp16) where it is missing; a
     text encoder file of its own (Flux) goes into ``models/text_encoders``."""
-    from sdopt.tools.modelgen import write_checkpoint
+    from sdopt.tools.modelgen import ensure_checkpoint
 
-    checkpoint = models / family.checkpoint_filename("mini")
     text_encoder = family.text_encoder_filename("mini")
-    missing = not checkpoint.exists() or (text_encoder and not (models / "text_encoders" / text_encoder).exists())
-    if missing:
-        write_checkpoint(family.model_name("mini"), checkpoint, seed=0, dtype="fp16", progress=False,
-                         text_encoder_out=models / "text_encoders" / text_encoder if text_encoder else None)
-    return checkpoint
+    return ensure_checkpoint(family.model_name("mini"), models / family.checkpoint_filename("mini"),
+                             text_encoder_out=models / "text_encoders" / text_encoder if text_encoder else None)
 
 
 class ComfyHostFixture:

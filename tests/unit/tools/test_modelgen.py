@@ -36,6 +36,7 @@ from sdopt.tools.modelgen import (
     checkpoint_specs,
     clip_text_specs,
     diffusion_model_specs,
+    ensure_checkpoint,
     separate_text_encoder_specs,
     text_encoder_path,
     diffusers_unet_config,
@@ -574,6 +575,21 @@ def test_flux_checkpoint_has_no_text_encoder_and_its_file_is_clip_l(tmp_path):
     assert text_encoder_path(tmp_path / "m.safetensors") == tmp_path / "text_encoders" / "m-text.safetensors"
     chosen = write_checkpoint("flux-tiny", tmp_path / "a.safetensors", text_encoder_out=tmp_path / "t.safetensors")
     assert chosen.text_encoder_path == tmp_path / "t.safetensors" and chosen.text_encoder_path.is_file()
+
+
+def test_ensure_checkpoint_writes_only_what_is_missing(tmp_path):
+    path = ensure_checkpoint("flux-tiny", tmp_path / "checkpoints" / "m.safetensors")
+    text = text_encoder_path(path)
+    assert path.is_file() and text.is_file()
+    stamps = path.stat().st_mtime_ns, text.stat().st_mtime_ns
+    ensure_checkpoint("flux-tiny", path)
+    assert (path.stat().st_mtime_ns, text.stat().st_mtime_ns) == stamps, "both present: nothing is rewritten"
+    text.unlink()
+    ensure_checkpoint("flux-tiny", path)
+    assert text.is_file(), "a Flux checkpoint without its text encoder file is written again"
+    elsewhere = tmp_path / "t.safetensors"
+    ensure_checkpoint("flux-tiny", path, text_encoder_out=elsewhere)
+    assert elsewhere.is_file()
 
 
 # --- LoRA ------------------------------------------------------------------------------------
