@@ -25,7 +25,8 @@ def _tf32_sampling(executor, *args, **kwargs):
 class SDOptPrecision:
     DESCRIPTION = (
         "Weight storage dtype, compute dtype, TF32 and channels-last for the diffusion model, on a copy: the input "
-        "model is never changed. auto picks what this device runs fast and accurately: fp16 on CUDA; on a CPU "
+        "model is never changed. auto picks what this device runs fast and accurately: fp16 on CUDA (bf16 where "
+        "the model prefers it); on a CPU "
         "bf16 only where it measured faster than fp32. The report says what was picked and why."
     )
     CATEGORY = "sdopt"
@@ -37,7 +38,7 @@ class SDOptPrecision:
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model to patch; it is never changed, the node returns a patched copy."}),
             "weight_dtype": ([AUTO, DEFAULT, *WEIGHT_DTYPES], {"default": AUTO, "tooltip": (
-                "How the UNet weights are stored. auto: fp16 on CUDA, on a CPU bf16 where it measured faster than fp32, "
+                "How the UNet weights are stored. auto: fp16 on CUDA (bf16 for a model that prefers it, such as Flux), on a CPU bf16 where it measured faster than fp32, "
                 "else fp32. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),
             "compute_dtype": ([DEFAULT, *COMPUTE_DTYPES], {"default": DEFAULT, "tooltip": (
                 "The dtype the UNet computes in. default: the new weight dtype where the device computes in it, "
@@ -53,7 +54,7 @@ class SDOptPrecision:
         device = torch.device(model.load_device)
         notes = []
         if weight_dtype == AUTO:
-            pick = pick_dtype(device)
+            pick = pick_dtype(device, glue.inference_dtypes(model))
             notes.append(f"auto: {pick.reason}")
         weight = dtype_name(pick.dtype) if weight_dtype == AUTO else None if weight_dtype == DEFAULT else weight_dtype
         config = PrecisionConfig(weight, None if compute_dtype == DEFAULT else compute_dtype, tf32, channels_last)

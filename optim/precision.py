@@ -167,14 +167,31 @@ def _bf16_over_fp32(device: str) -> float:
     return min(bf16) / min(fp32)
 
 
-def pick_dtype(device: torch.device | str) -> AutoPick:
-    """What ``auto`` means on ``device``: fp16 on CUDA; elsewhere bf16 where it measured faster
-    than fp32 (``BF16_FASTER_BELOW``), else fp32."""
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def pick_dtype(device: torch.device | str, allowed: tuple[torch.dtype, ...] | None = None) -> AutoPick:
+    """What ``auto`` means on ``device`` for a model that runs in ``allowed``, its preferred dtype first
+    (ComfyUI's ``supported_inference_dtypes``: bf16 first for a model whose activations overflow fp16);
+    None: fp16, bf16 or fp32.
+
+    On CUDA: the first half dtype in ``allowed`` that runs there. Elsewhere bf16, where allowed and
+    measured faster than fp32 (``BF16_FASTER_BELOW``), else fp32."""
     device = torch.device(device)
+    halves = [dtype for dtype in allowed or HALF_DTYPES if dtype in HALF_DTYPES]
     if device.type == "cuda":
-        if compute_supported(torch.float16, device):
-            return AutoPick(torch.float16, "fp16 on CUDA: half the memory of fp32 and tensor-core kernels")
-        return AutoPick(torch.float32, f"fp16 does not run on {device}")
+        dtype = next((dtype for dtype in halves if compute_supported(dtype, device)), None)
+        if dtype is None:
+            tried = " or ".join(dtype_name(dtype) for dtype in halves)
+            return AutoPick(torch.float32, f"{tried} does not run on {device}" if halves else "this model runs in fp32 only")
+        why = "half the memory of fp32 and tensor-core kernels"
+        if dtype != halves[0]:
+            why += f" ({dtype_name(halves[0])}, which this model prefers, does not run on {device})"
+        elif dtype != torch.float16:
+            why = f"the half dtype this model prefers, {why}"
+        return AutoPick(dtype, f"{dtype_name(dtype)} on CUDA: {why}")
+    if torch.bfloat16 not in halves:
+        return AutoPick(torch.float32, "fp32: this model does not run in bf16")
     if not compute_supported(torch.bfloat16, device):
         return AutoPick(torch.float32, f"bf16 does not run on {device}")
     ratio = _bf16_over_fp32(str(device))

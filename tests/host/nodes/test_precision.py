@@ -149,6 +149,18 @@ def test_flux_in_bf16_equals_comfyuis_own_bf16_bitwise_and_leaves_the_model_alon
     assert torch.equal(host.sample(model), reference), "the model the node was given must be unchanged"
 
 
+def test_auto_on_cuda_takes_the_half_dtype_the_models_comfyui_config_prefers(comfy_host, glue, monkeypatch):
+    """Flux's config lists bf16 first (its activations overflow fp16 on trained weights), SD1.5's fp16;
+    the node reads the list from the loaded model. CUDA's dtype support is faked: no GPU here."""
+    precision = comfy_host.pack("optim.precision")
+    monkeypatch.setattr(precision, "compute_supported", lambda dtype, device: True)
+    picks = {}
+    for family in ("sd15", "flux"):
+        allowed = glue.inference_dtypes(comfy_host.family(family).load_checkpoint()[0])
+        picks[family] = precision.pick_dtype("cuda", allowed).dtype
+    assert picks == {"sd15": torch.float16, "flux": torch.bfloat16}
+
+
 def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs, glue):
     model, original = runs["model"], runs["original"]
     assert torch.isfinite(runs["reference"]).all()
@@ -345,7 +357,8 @@ def test_auto_records_what_it_picked_and_why(comfy_host, device, runs, glue):
     precision = comfy_host.pack("optim.precision")
     model = runs["model"]
     (patched,) = comfy_host.nodes[NODE]().patch(model, "auto", "default", False, False)
-    pick = precision.pick_dtype(device)  # cached: the pick the node made
+    allowed = glue.inference_dtypes(model)
+    pick = precision.pick_dtype(device, allowed)  # cached: the pick the node made
     picked = dtype_name(pick.dtype)
 
     (record,) = glue.model_records(patched.model_options)
@@ -353,7 +366,7 @@ def test_auto_records_what_it_picked_and_why(comfy_host, device, runs, glue):
     assert record["active"] == f"weight={picked}, compute={picked}"
     assert record["note"].startswith(f"auto: {pick.reason}")
     if torch.device(device).type == "cuda":
-        assert pick.dtype == torch.float16
+        assert pick.dtype == allowed[0], "the half dtype ComfyUI's config for this model lists first"
     else:
         assert pick.dtype in (torch.float32, torch.bfloat16)
         if compute_supported(torch.bfloat16, device):

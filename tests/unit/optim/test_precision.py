@@ -286,11 +286,32 @@ def test_auto_on_cuda_is_fp16_where_it_runs(monkeypatch, probe_cache, fp16_runs)
     monkeypatch.setattr(P, "compute_supported", lambda dtype, device: asked.append((dtype, str(device))) or fp16_runs)
     monkeypatch.setattr(P, "_bf16_over_fp32", lambda device: pytest.fail("CUDA is not probed"))
     pick = pick_dtype("cuda:1")
-    assert asked == [(torch.float16, "cuda:1")]
     if fp16_runs:
+        assert asked == [(torch.float16, "cuda:1")]
         assert pick.dtype == torch.float16 and pick.reason.startswith("fp16 on CUDA")
     else:
-        assert pick.dtype == torch.float32 and pick.reason == "fp16 does not run on cuda:1"
+        assert asked == [(torch.float16, "cuda:1"), (torch.bfloat16, "cuda:1")]
+        assert pick.dtype == torch.float32 and pick.reason == "fp16 or bf16 does not run on cuda:1"
+
+
+@pytest.mark.parametrize("bf16_runs_there", [True, False])
+def test_auto_on_cuda_follows_the_model_that_prefers_bf16(monkeypatch, probe_cache, bf16_runs_there):
+    """Flux's ComfyUI config lists bf16 first: its activations overflow fp16 on real weights."""
+    monkeypatch.setattr(P, "compute_supported", lambda dtype, device: dtype != torch.bfloat16 or bf16_runs_there)
+    pick = pick_dtype("cuda", (torch.bfloat16, torch.float16, torch.float32))
+    if bf16_runs_there:
+        assert pick.dtype == torch.bfloat16 and "this model prefers" in pick.reason
+    else:
+        assert pick.dtype == torch.float16 and "bf16, which this model prefers, does not run on cuda" in pick.reason
+
+
+def test_auto_never_picks_a_dtype_the_model_does_not_run_in(monkeypatch, probe_cache, bf16_runs):
+    monkeypatch.setattr(P, "_bf16_over_fp32", lambda device: pytest.fail("no probe for a model without bf16"))
+    monkeypatch.setattr(P, "compute_supported", lambda dtype, device: True)
+    assert pick_dtype("cuda", (torch.bfloat16, torch.float32)).dtype == torch.bfloat16
+    assert pick_dtype("cpu", (torch.float16, torch.float32)).dtype == torch.float32
+    only_fp32 = pick_dtype("cuda", (torch.float32,))
+    assert only_fp32.dtype == torch.float32 and only_fp32.reason == "this model runs in fp32 only"
 
 
 def _fake_probe(monkeypatch, fp32_s, bf16_s):
