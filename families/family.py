@@ -209,7 +209,9 @@ class Family:
     VAE architecture for the tiled VAE's adapters. ``repeated_blocks`` are the class names of the
     blocks that repeat in the diffusion model (regional compile's unit); ``feedforward_modules``
     those of its token-wise feed-forwards (Low Memory slices them over tokens; an attribute name such as
-    ``img_mlp`` where their class is generic). ``clip_type`` is
+    ``img_mlp`` where their class is generic). ``block_groups`` are a transformer's chains of blocks in
+    the order its forward runs them, each as (ComfyUI's ``dit`` block-patch name, the attribute that
+    holds them): First Block Cache's unit. ``clip_type`` is
     the ``CLIPLoader`` type that loads a size's ``separate_text_encoders``.
     """
 
@@ -222,6 +224,7 @@ class Family:
     vae_layout: str = "ldm_autoencoder_kl"
     repeated_blocks: tuple[str, ...] = ("ResBlock", "SpatialTransformer")
     feedforward_modules: tuple[str, ...] = ("FeedForward",)
+    block_groups: tuple[tuple[str, str], ...] = ()
     bare_sizes: bool = False
     clip_type: str = "stable_diffusion"
 

@@ -51,6 +51,7 @@ FLUX = Family(
     call=DiffusionCall(tensor_inputs=("x", "timestep", "context", "y", "guidance", "ref_latents"), vector="y",
                        vector_parts=(("pooled text", CLIP_L.hidden_size),)),
     repeated_blocks=("DoubleStreamBlock", "SingleStreamBlock"),
+    block_groups=(("double_block", "double_blocks"), ("single_block", "single_blocks")),
     # The double blocks' MLPs (nn.Sequential, so by attribute name); a single block fuses its MLP
     # with attention's projections, so it has none to slice apart.
     feedforward_modules=("img_mlp", "txt_mlp"),

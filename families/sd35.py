@@ -61,5 +61,6 @@ SD35 = Family(
     call=DiffusionCall(vector="y", vector_parts=VECTOR, runs_wrappers=False),
     vae_layout="ldm_autoencoder_kl",
     repeated_blocks=("JointBlock",),
+    block_groups=(("double_block", "joint_blocks"),),
     feedforward_modules=("Mlp",),
 )

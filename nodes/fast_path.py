@@ -22,11 +22,17 @@ from .glue import (ModelFamily, fall_back_or_raise, model_family, non_dynamic_cl
                    wrapper_types)
 
 FAST_PATH_KEY = "sdopt.fast_path"
-_KEPT_OPTIONS = ("optimized_attention_override",)
+# sdopt Step Cache's first_block patches carry their cache in this attribute: under regional compile
+# they run in the forward (only the blocks are compiled), so the fast path passes them on rather than
+# going eager
+BLOCK_CACHE_ATTRIBUTE = "sdopt_first_block_cache"
+_KEPT_OPTIONS = ("optimized_attention_override", "patches_replace")
+FIRST_BLOCK_EAGER = ("sdopt Step Cache first_block, which decides per call between the blocks: only Compile's "
+                     "compile_regional (no CUDA Graph) runs beside it")
 PLAIN_STEP, FULL_STEP, SHALLOW_STEP = "plain", "full", "shallow"
 
 
-def _schedule_position(transformer_options: dict) -> float | None:
+def schedule_position(transformer_options: dict) -> float | None:
     """The fraction of the sampling schedule done at this call (from ComfyUI's ``sample_sigmas`` and
     the call's ``sigmas``), or None where the sampler did not say."""
     schedule, sigmas = transformer_options.get("sample_sigmas"), transformer_options.get("sigmas")
@@ -118,13 +124,38 @@ def _bind(call: DiffusionCall, args: tuple, kwargs: dict) -> tuple[tuple, object
     return tuple(bound.get(name) for name in call.tensor_inputs), bound.get("control"), bound.get("transformer_options", {}), extra
 
 
-def _why_eager(executor, control, transformer_options, kwargs: dict) -> str | None:
+def _identity(option) -> tuple | int:
+    """What a kept option is, for telling runners apart: ComfyUI merges ``patches_replace`` into new
+    dicts on every call, so it is told by the patches it holds."""
+    if isinstance(option, dict):
+        return tuple((name, tuple(map(id, patches.values()))) for name, patches in option.items())
+    return id(option)
+
+
+def _only_block_cache_patches(transformer_options: dict) -> bool:
+    replace = transformer_options.get("patches_replace") or {}
+    return (not transformer_options.get("patches") and set(replace) == {"dit"}
+            and all(block_cache_of(patch) is not None for patch in replace["dit"].values()))
+
+
+def block_cache_of(patch):
+    """The ``FirstBlockCache`` of an sdopt first_block patch, None for any other patch."""
+    return getattr(patch, BLOCK_CACHE_ATTRIBUTE, None)
+
+
+def _why_eager(executor, control, transformer_options, kwargs: dict, blocks_compiled_only: bool = False) -> str | None:
+    """Why this call runs as ComfyUI would, without the chain; None where the chain runs it.
+    ``blocks_compiled_only``: the chain is regional compile alone, which leaves the forward's own
+    code, and so sdopt's block patches, running."""
     if not isinstance(transformer_options, dict):
         return "inputs that do not fit the family's call (no transformer_options where it expects them)"
     if control is not None:
         return "ControlNet (control) inputs"
     if transformer_options.get("patches") or transformer_options.get("patches_replace"):
-        return "transformer patches (IP-Adapter, attention patches...)"
+        if not _only_block_cache_patches(transformer_options):
+            return "transformer patches (IP-Adapter, attention patches...)"
+        if not blocks_compiled_only:
+            return FIRST_BLOCK_EAGER
     if any(value is not None for value in kwargs.values()):
         return f"extra model inputs ({', '.join(sorted(kwargs))})"
     if getattr(executor, "idx", 0) + 1 < len(getattr(executor, "wrappers", ())):
@@ -198,6 +229,12 @@ class FastPath:
     graph_config = property(lambda self: self.configs.get(GRAPH))
     step_cache_config = property(lambda self: self.configs.get(STEP_CACHE))
 
+    @property
+    def compiles_blocks_only(self) -> bool:
+        """Whether the chain is regional compile alone (the forward's own code still runs)."""
+        compile_config = self.compile_config
+        return set(self.configs) == {COMPILE} and compile_config.mode == "compile_regional"
+
     def with_config(self, name: str, config) -> "FastPath":
         """A new fast path (fresh compiled code, graphs and step cache) with ``name``'s config replaced."""
         new = FastPath({**self.configs, name: config}, self.family, self.cache_root)
@@ -209,7 +246,7 @@ class FastPath:
         """(fn, {chain name: what holds its stats}, compile cache entry or None) of one kind of call:
         the plain forward, or the step cache's full or shallow one; each kind compiles and captures
         its own code."""
-        key = (id(unet), tuple(id(options.get(name)) for name in _KEPT_OPTIONS), kind)
+        key = (id(unet), tuple(_identity(options.get(name)) for name in _KEPT_OPTIONS), kind)
         if key in self.runners and self.runners[key][0] is unet:
             return self.runners[key][1:]
         if kind == PLAIN_STEP:
@@ -231,16 +268,16 @@ class FastPath:
             reason = f"more positional inputs than {self.family.described.title}'s call takes"
         else:
             tensors, control, transformer_options, extra = bound
-            reason = _why_eager(executor, control, transformer_options, extra)
+            reason = _why_eager(executor, control, transformer_options, extra, self.compiles_blocks_only)
         if reason:
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
             return executor(*args, **kwargs)
-        options = {name: transformer_options[name] for name in _KEPT_OPTIONS if name in transformer_options}
+        options = {name: transformer_options[name] for name in _KEPT_OPTIONS if transformer_options.get(name)}
         if self.schedule is None:
             return self._run(executor.class_obj, options, PLAIN_STEP, tensors)
         key = tuple(transformer_options.get("cond_or_uncond") or ())
         shapes = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
-        deep = self.schedule.decide(key, shapes, _schedule_position(transformer_options) if self.schedule.config.bounded else None)
+        deep = self.schedule.decide(key, shapes, schedule_position(transformer_options) if self.schedule.config.bounded else None)
         if deep is not None:
             return self._run(executor.class_obj, options, SHALLOW_STEP, (*tensors, deep))
         output, deep = self._run(executor.class_obj, options, FULL_STEP, tensors)

@@ -1,25 +1,38 @@
-"""SDOptStepCache (MODEL → MODEL): DeepCache for UNets, on the clone's fast path.
+"""SDOptStepCache (MODEL → MODEL): DeepCache for UNets, First Block Cache for diffusion transformers.
 
-Every ``interval`` model calls the whole UNet runs; the calls between run only its shallow branch on
-the deep features the last full call kept (``optim.step_cache``). With SDOptCompile and SDOptCUDAGraph
-in the chain the full and the shallow call are each compiled and captured once. The record gives the
-calls computed against reused; the checkpoints sdopt generates have random weights, so an error
-measured on them says nothing about a trained model's images.
+deepcache: every ``interval`` model calls the whole UNet runs; the calls between run only its shallow
+branch on the deep features the last full call kept (``optim.step_cache``), on the clone's fast path.
+With SDOptCompile and SDOptCUDAGraph in the chain the full and the shallow call are each compiled and
+captured once.
+
+first_block: ComfyUI's ``dit`` block patches put ``FirstBlockCache`` around every block of the family's
+``block_groups``; an APPLY_MODEL wrapper starts each model call (its cond/uncond key, its place in the
+schedule, ControlNet inputs to run uncached). Regional compile runs beside it; whole-model compile and
+CUDA graphs cannot hold a per-call decision between blocks and run eager, and their records say so.
+
+The record gives the calls computed against reused; the checkpoints sdopt generates have random
+weights, so an error measured on them says nothing about a trained model's images.
 """
-from ..optim.step_cache import MODES, StepCacheConfig, unavailable
+from ..optim.step_cache import FIRST_BLOCK, MODES, FirstBlockCache, StepCacheConfig, unavailable
 from . import fast_path, glue
 
 NODE = "SDOptStepCache"
 ON_UNAVAILABLE = ("fallback", "error")
 QUALITY_NOTE = "reuses deep features between full calls: its image differs from the uncached one; measure it (bench speed's cache rungs)"
+FIRST_BLOCK_NOTE = ("skips the blocks after the first where the first block's change moved less than the threshold: its image "
+                    "differs from the uncached one; measure it (bench speed's cache rungs); sdopt Compile runs beside it in "
+                    "compile_regional mode, whole-model compile and CUDA Graph run eager")
+_APPLY_MODEL_INPUTS = ("x", "t", "c_concat", "c_crossattn", "control", "transformer_options")
 
 
 class SDOptStepCache:
     DESCRIPTION = (
-        "DeepCache for SD1.5 and SDXL UNets: the whole UNet runs every `interval` model calls, the calls "
-        "between run only its outermost blocks on the deep features the last full call kept. Defaults are "
-        "DeepCache's published settings (interval 3, branch 0). The image changes: compare it with the "
-        "uncached one. Composes with sdopt Compile and CUDA Graph; ControlNet and attention patches run uncached."
+        "Step caching. deepcache (SD1.5, SDXL UNets): the whole UNet runs every `interval` model calls, the calls "
+        "between run only its outermost blocks on the deep features the last full call kept; defaults are DeepCache's "
+        "published settings (interval 3, branch 0); composes with sdopt Compile and CUDA Graph. first_block (SD3.5, "
+        "Flux): every call runs the first transformer block, and where its change moved less than `threshold` since the "
+        "last full call the later blocks are skipped; composes with sdopt Compile's compile_regional. The image "
+        "changes: compare it with the uncached one. ControlNet runs uncached."
     )
     CATEGORY = "sdopt"
     RETURN_TYPES = ("MODEL",)
@@ -29,22 +42,106 @@ class SDOptStepCache:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
-            "mode": (list(MODES), {"default": MODES[0], "tooltip": "deepcache: UNets (SD1.5, SDXL)."}),
-            "interval": ("INT", {"default": 3, "min": 1, "max": 10, "tooltip": "The whole UNet runs every this many model calls; 1 caches nothing."}),
-            "branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip": "How many skip levels still run on a cached call, minus one: 0 runs only the outermost blocks (fastest)."}),
-            "start": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls before this fraction of the schedule run the whole UNet."}),
-            "end": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls from this fraction of the schedule on run the whole UNet."}),
-            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a model that is not such a UNet: pass it through with a note in the report, or stop with an error."}),
+            "mode": (list(MODES), {"default": MODES[0], "tooltip": "deepcache: UNets (SD1.5, SDXL). first_block: diffusion transformers (SD3.5, Flux)."}),
+            "interval": ("INT", {"default": 3, "min": 1, "max": 10, "tooltip": "deepcache: the whole UNet runs every this many model calls; 1 caches nothing."}),
+            "branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip": "deepcache: how many skip levels still run on a cached call, minus one: 0 runs only the outermost blocks (fastest)."}),
+            "start": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls before this fraction of the schedule run the whole model."}),
+            "end": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls from this fraction of the schedule on run the whole model."}),
+            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a model the mode does not fit: pass it through with a note in the report, or stop with an error."}),
+        }, "optional": {
+            "threshold": ("FLOAT", {"default": 0.08, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
+                "first_block: the largest relative change between this call's first-block change and the last full call's "
+                "that still skips the later blocks; higher is faster and further from the uncached image, 0 caches nothing.")}),
         }}
 
-    def patch(self, model, mode, interval, branch, start, end, on_unavailable):
-        glue.check_inputs(SDOptStepCache, mode=mode, interval=interval, branch=branch, start=start, end=end, on_unavailable=on_unavailable)
-        config = StepCacheConfig(mode, interval, branch, start, end)
+    def patch(self, model, mode, interval, branch, start, end, on_unavailable, threshold=0.08):
+        glue.check_inputs(SDOptStepCache, mode=mode, interval=interval, branch=branch, start=start, end=end,
+                          on_unavailable=on_unavailable, threshold=threshold)
+        config = StepCacheConfig(mode, interval, branch, start, end, threshold)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
-        blocks = fast_path.comfy_unet_blocks(model.model.diffusion_model)
-        problem = unavailable(config, model.load_device, blocks=blocks)
+        unet = model.model.diffusion_model
+        groups = block_groups(model)
+        problem = unavailable(config, model.load_device, blocks=fast_path.comfy_unet_blocks(unet), block_groups=groups)
+        if mode == FIRST_BLOCK:
+            return (_first_block_clone(model, config, requested, problem, on_unavailable, groups),)
         m, path_note = fast_path.fast_path_clone(model, NODE, requested, problem, on_unavailable, fast_path.STEP_CACHE, config)
         if path_note is not None:
             fast_path.fast_path_of(m).notes[NODE] = lambda: QUALITY_NOTE
             glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, QUALITY_NOTE])))
         return (m,)
+
+
+def block_groups(model) -> tuple[tuple[str, int], ...]:
+    """(``dit`` patch name, block count) of each of the model's block groups its family describes."""
+    unet = model.model.diffusion_model
+    described = glue.model_family(model).described.block_groups
+    return tuple((name, len(getattr(unet, attr))) for name, attr in described if hasattr(unet, attr))
+
+
+def _dit_patches(model) -> dict:
+    return model.model_options.get("transformer_options", {}).get("patches_replace", {}).get("dit", {})
+
+
+def _without_first_block(model):
+    """A clone of ``model`` without an earlier first_block cache (chained twice, the last node wins)."""
+    m = model.clone()
+    glue.set_wrappers(m, NODE, {})
+    ours = [key for key, patch in _dit_patches(m).items() if fast_path.block_cache_of(patch) is not None]
+    if ours:
+        replace = m.model_options["transformer_options"]["patches_replace"]
+        replace["dit"] = {key: patch for key, patch in replace["dit"].items() if key not in ours}
+    return m
+
+
+def _first_block_clone(model, config: StepCacheConfig, requested: str, problem, on_unavailable: str, groups):
+    fallback = glue.fall_back_or_raise(on_unavailable, problem, "run uncached")
+    m = _without_first_block(model)
+    if fallback:
+        glue.record_model(m, NODE, requested, "uncached", f"{fallback}; running uncached", f"runs uncached: {fallback}")
+        return m
+    cache = FirstBlockCache(config, groups, compared="img")
+    earlier = _dit_patches(m)
+    for name, count in groups:
+        for index in range(count):
+            m.set_model_patch_replace(_block_patch(cache, name, index, earlier.get((name, index))), "dit", name, index)
+
+    def begin_call(executor, *args, **kwargs):
+        inputs = {**dict(zip(_APPLY_MODEL_INPUTS, args)), **kwargs}
+        options, x = inputs.get("transformer_options") or {}, inputs["x"]
+        context = inputs.get("c_crossattn")
+        shapes = (tuple(x.shape), x.dtype, None if context is None else tuple(context.shape))
+        bypass = "ControlNet (control) inputs" if inputs.get("control") is not None else None
+        cache.begin(tuple(options.get("cond_or_uncond") or ()), shapes, fast_path.schedule_position(options), bypass)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            cache.finish()
+
+    def record_after_sampling(executor, *args, **kwargs):
+        cache.reset()
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            glue.record_in_run(NODE, requested, f"{config.settings()}: {cache.stats.summary()}", FIRST_BLOCK_NOTE,
+                               cache.stats.shortfall())
+            cache.release()
+
+    # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open there
+    glue.set_wrappers(m, NODE, {"APPLY_MODEL": begin_call, "SAMPLER_SAMPLE": record_after_sampling})
+    blocks = ", ".join(f"{count} {name}s" for name, count in groups)
+    glue.record_model(m, NODE, requested, config.settings(), f"{blocks}; {FIRST_BLOCK_NOTE}")
+    return m
+
+
+def _block_patch(cache: FirstBlockCache, name: str, index: int, earlier):
+    """ComfyUI's ``dit`` block patch for block ``index`` of group ``name``: the cache around the block
+    (around ``earlier``, a patch another node put there, unless it is an earlier sdopt cache's)."""
+    if fast_path.block_cache_of(earlier) is not None:
+        earlier = None
+
+    def patch(args, extra):
+        run = (lambda: earlier(args, extra)) if earlier is not None else (lambda: extra["original_block"](args))
+        return cache.block(name, index, args, run)
+
+    setattr(patch, fast_path.BLOCK_CACHE_ATTRIBUTE, cache)
+    return patch

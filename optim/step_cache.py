@@ -1,12 +1,20 @@
-"""Step caching for UNets (DeepCache): every ``interval`` model calls the whole UNet runs and the deep
-features entering its last up-blocks are kept; the calls between run only the shallow branch (the
-first ``branch + 1`` down-blocks and the last ``branch + 1`` up-blocks) on those kept features.
+"""Step caching: DeepCache for UNets and First Block Cache for diffusion transformers.
+
+DeepCache: every ``interval`` model calls the whole UNet runs and the deep features entering its last
+up-blocks are kept; the calls between run only the shallow branch (the first ``branch + 1``
+down-blocks and the last ``branch + 1`` up-blocks) on those kept features.
 
 The UNet is seen through ``UNetBlocks`` (its embedding, down, middle, up blocks and output head), so
 the technique knows no host. ``full_forward`` and ``shallow_forward`` are pure functions of tensors,
 so each can be compiled and captured in a CUDA graph of its own. ``CacheSchedule`` decides, per model
 call, which one runs: it counts calls, not sampler steps, per key (input shapes and the batch's
 cond/uncond layout), so second-order samplers and sequential CFG each keep their own features.
+
+First Block Cache (``FirstBlockCache``): every call runs the transformer's first block; where the
+change it made differs from the one the last full call's first block made by less than ``threshold``
+(relative mean absolute difference), the later blocks are skipped and each group of blocks (Flux's
+double and single blocks) adds the change it made on that full call. The transformer is seen as
+named tensors passed block to block (``block``'s ``inputs``), so the technique knows no host.
 """
 
 from __future__ import annotations
@@ -19,21 +27,24 @@ import torch
 
 from ..errors import Unavailable, UserError
 
-DEEPCACHE = "deepcache"
-MODES = (DEEPCACHE,)
+DEEPCACHE, FIRST_BLOCK = "deepcache", "first_block"
+MODES = (DEEPCACHE, FIRST_BLOCK)
 
 
 @dataclass(frozen=True)
 class StepCacheConfig:
-    """``interval``: a full UNet every this many calls (1 caches nothing); ``branch``: the skip
-    level whose blocks still run on a cached call (0: only the outermost); ``start``/``end``: the
-    part of the schedule (fractions of the sampling steps) where calls may reuse features."""
+    """``interval`` (deepcache): a full UNet every this many calls (1 caches nothing); ``branch``
+    (deepcache): the skip level whose blocks still run on a cached call (0: only the outermost);
+    ``threshold`` (first_block): the largest relative change of the first block's output change that
+    still reuses the later blocks' (0 caches nothing); ``start``/``end``: the part of the schedule
+    (fractions of the sampling steps) where calls may reuse features."""
 
     mode: str = DEEPCACHE
     interval: int = 3
     branch: int = 0
     start: float = 0.0
     end: float = 1.0
+    threshold: float = 0.08
 
     def __post_init__(self):
         problem = None
@@ -43,6 +54,8 @@ class StepCacheConfig:
             problem = f"interval: {self.interval} must be at least 1 (1 runs the whole UNet on every call)"
         elif self.branch < 0:
             problem = f"branch: {self.branch} must be 0 or more"
+        elif not 0.0 <= self.threshold <= 1.0:
+            problem = f"threshold: {self.threshold} must be between 0 and 1 (a relative change; 0 caches nothing)"
         elif not 0.0 <= self.start < self.end <= 1.0:
             problem = f"start {self.start} and end {self.end}: need 0 <= start < end <= 1 (fractions of the schedule)"
         if problem:
@@ -55,15 +68,30 @@ class StepCacheConfig:
 
     def settings(self) -> str:
         span = f", steps {self.start:.0%}–{self.end:.0%}" if self.bounded else ""
+        if self.mode == FIRST_BLOCK:
+            return f"{self.mode}: threshold {self.threshold:g}{span}"
         return f"{self.mode}: interval {self.interval}, branch {self.branch}{span}"
 
+    def within(self, position: float | None) -> bool:
+        """Whether a call at ``position`` (the fraction of the schedule done) may reuse features."""
+        return not self.bounded or (position is not None and self.start <= position < self.end)
 
-def unavailable(config: StepCacheConfig, device: torch.device | None, *, blocks: "UNetBlocks | None") -> Unavailable | None:
+
+def unavailable(config: StepCacheConfig, device: torch.device | None, *, blocks: "UNetBlocks | None",
+                block_groups: tuple[tuple[str, int], ...] = ()) -> Unavailable | None:
     """Why the cache cannot run on this model, with the fix, else None. Any device serves; what
-    decides is the model's layout, ``blocks`` (None where it is not a UNet)."""
+    decides is the model's layout: ``blocks`` (None where it is not a UNet) for deepcache,
+    ``block_groups`` (its transformer blocks, ``FirstBlockCache``'s groups) for first_block."""
+    if config.mode == FIRST_BLOCK:
+        if sum(count for _, count in block_groups) < 2:
+            fix = "use mode deepcache" if blocks is not None else "leave sdopt Step Cache out for this model"
+            return Unavailable("the model is not a diffusion transformer with a chain of blocks to skip (First Block Cache "
+                               "skips the blocks after the first)", fix, "mode")
+        return None
     if blocks is None:
+        fix = "use mode first_block" if block_groups else "leave sdopt Step Cache out for this model"
         return Unavailable("the model is not a UNet with down, middle and up blocks (DeepCache needs its skip connections)",
-                           "leave sdopt Step Cache out for this model", "mode")
+                           fix, "mode")
     if config.branch >= blocks.depth:
         return Unavailable(f"branch {config.branch} is past the UNet's {blocks.depth} skip levels",
                            f"choose a branch below {blocks.depth}", "branch")
@@ -122,17 +150,19 @@ def shallow_forward(blocks: UNetBlocks, branch: int, x, timesteps, context, y=No
 
 @dataclass
 class StepCacheStats:
-    """One sampling run's calls."""
+    """One sampling run's calls; ``ran`` and ``reused`` say what a full and a cached call do."""
 
     full_calls: int = 0
     reused_calls: int = 0
     full_reasons: Counter = field(default_factory=Counter)
+    ran: str = "ran the whole UNet"
+    reused: str = "reused deep features"
 
     def summary(self) -> str:
         calls = self.full_calls + self.reused_calls
         if not calls:
             return "no model calls yet"
-        return f"{self.full_calls} of {calls} calls ran the whole UNet, {self.reused_calls} reused deep features"
+        return f"{self.full_calls} of {calls} calls {self.ran}, {self.reused_calls} {self.reused}"
 
     def shortfall(self) -> str:
         """What the cache did less than asked, or ''."""
@@ -141,8 +171,9 @@ class StepCacheStats:
         return ""
 
 
-FIRST_CALL, INTERVAL_DUE, OUTSIDE_SPAN, NEW_SHAPE = (
-    "first call of its shapes in this run", "interval due", "outside the cached part of the schedule", "new input shapes")
+FIRST_CALL, INTERVAL_DUE, OUTSIDE_SPAN, NEW_SHAPE, CHANGED, BYPASSED = (
+    "first call of its shapes in this run", "interval due", "outside the cached part of the schedule", "new input shapes",
+    "first block's change above the threshold", "run uncached")
 
 
 class CacheSchedule:
@@ -172,7 +203,7 @@ class CacheSchedule:
         return None
 
     def decide(self, key: Hashable, shapes: Any, position: float | None = None) -> torch.Tensor | None:
-        if self.config.bounded and (position is None or not self.config.start <= position < self.config.end):
+        if not self.config.within(position):
             return self._full(OUTSIDE_SPAN)
         kept = self._kept.get(key)
         if kept is None:
@@ -188,3 +219,125 @@ class CacheSchedule:
     def keep(self, key: Hashable, shapes: Any, features: torch.Tensor) -> None:
         self._kept[key] = (shapes, features)
         self._since_full[key] = 0
+
+
+def relative_change(new: torch.Tensor, old: torch.Tensor) -> float:
+    """mean |new - old| / mean |old| (First Block Cache's measure), in fp32."""
+    old = old.float()
+    return float((new.float() - old).abs().mean() / old.abs().mean().clamp_min(1e-12))
+
+
+Tensors = dict[str, "torch.Tensor | None"]
+
+
+@dataclass
+class _Kept:
+    """What one key's last full call left: its shapes, its first block's change and, per group, the
+    change that group's skippable blocks made (None for an output a block drops)."""
+
+    shapes: Any
+    first_change: torch.Tensor
+    group_changes: dict[str, Tensors] = field(default_factory=dict)
+
+
+class FirstBlockCache:
+    """First Block Cache over a transformer whose blocks come in ``groups``, ``(name, count)`` in the
+    order a forward runs them; ``compared`` names the tensor whose change the first block is judged by.
+
+    Per model call: ``begin(key, shapes, position, bypass)`` (``bypass``: a reason to run this call
+    uncached, or None), then ``block(group, index, inputs, run)`` for every block in order, where
+    ``run()`` computes the block and returns its outputs by name, then ``finish()``. A skipped block returns its inputs
+    (the outputs' names of the last full call) and the last block of a group adds what the group's
+    skippable blocks changed on that full call. ``reset()`` starts a new sampling run.
+    """
+
+    def __init__(self, config: StepCacheConfig, groups: tuple[tuple[str, int], ...], compared: str):
+        self.config = config
+        self.groups = dict(groups)
+        self.first_group = groups[0][0]
+        self.skippable = tuple(name for name, count in groups if count > self._entry_index(name))
+        self.compared = compared
+        self.stats = self._new_stats()
+        self._kept: dict[Hashable, _Kept] = {}
+        self._call: tuple[Hashable, Any] | None = None
+        self._position: float | None = None
+        self._bypass: str | None = None
+        self._skipping = False
+        self._entries: dict[str, Tensors] = {}
+
+    @staticmethod
+    def _new_stats() -> StepCacheStats:
+        return StepCacheStats(ran="ran every block", reused="skipped the blocks after the first")
+
+    def reset(self) -> None:
+        self._kept.clear()
+        self._call = None
+        self.stats = self._new_stats()
+
+    def begin(self, key: Hashable, shapes: Any, position: float | None = None, bypass: str | None = None) -> None:
+        self._call, self._position, self._bypass = (key, shapes), position, bypass
+        self._skipping = False
+        self._entries = {}
+
+    def release(self) -> None:
+        """Drop the kept tensors (the run's ``stats`` stay until the next ``reset``)."""
+        self._kept.clear()
+        self.finish()
+
+    def finish(self) -> None:
+        """End the model call: blocks run plain until the next ``begin``."""
+        self._call, self._entries, self._skipping = None, {}, False
+
+    def _entry_index(self, group: str) -> int:
+        """The first block of ``group`` a cached call skips."""
+        return 1 if group == self.first_group else 0
+
+    def block(self, group: str, index: int, inputs: Tensors, run) -> Tensors:
+        if self._call is None:
+            return run()
+        if group == self.first_group and index == 0:
+            return self._first(inputs, run())
+        if index < self._entry_index(group):
+            return run()
+        kept = self._kept.get(self._call[0])
+        last = index == self.groups[group] - 1
+        if self._skipping:
+            changes = kept.group_changes[group]
+            if index == self._entry_index(group):
+                self._entries[group] = {name: inputs[name] for name in changes}
+            if not last:
+                return {name: inputs[name] for name in changes}
+            entry = self._entries[group]
+            return {name: None if change is None else entry[name] + change for name, change in changes.items()}
+        if index == self._entry_index(group):
+            self._entries[group] = dict(inputs)
+        outputs = run()
+        if last and kept is not None and self._bypass is None:
+            entry = self._entries[group]
+            kept.group_changes[group] = {name: None if value is None else value - entry[name] for name, value in outputs.items()}
+        return outputs
+
+    def _first(self, inputs: Tensors, outputs: Tensors) -> Tensors:
+        key, shapes = self._call
+        change = outputs[self.compared] - inputs[self.compared]
+        kept = self._kept.get(key)
+        if self._bypass is not None:
+            self._kept.pop(key, None)
+            reason = BYPASSED + f" ({self._bypass})"
+        elif not self.config.within(self._position):
+            reason = OUTSIDE_SPAN
+        elif kept is None:
+            reason = FIRST_CALL
+        elif kept.shapes != shapes:
+            reason = NEW_SHAPE
+        elif any(group not in kept.group_changes for group in self.skippable) or relative_change(change, kept.first_change) >= self.config.threshold:
+            reason = CHANGED
+        else:
+            self._skipping = True
+            self.stats.reused_calls += 1
+            return outputs
+        self.stats.full_calls += 1
+        self.stats.full_reasons[reason] += 1
+        if self._bypass is None:
+            self._kept[key] = _Kept(shapes, change)
+        return outputs

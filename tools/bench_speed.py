@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..families import family_of_config_class
 from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table
 from ..measure.step_profile import profile_device
@@ -153,8 +154,22 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
     def over_attention(model, nodes, approximate=False):
         return Rung(model, f"{stack} → {nodes}", "attention", attention, approximate=approximate)
 
+    # a transformer (a family with block groups) caches with first_block, which regional compile
+    # runs beside; a UNet with DeepCache, which compile and CUDA graphs capture
+    family = family_of_config_class(type(base.model.model_config))
+    transformer = bool(family and family.block_groups)
+    cache_mode = "first_block" if transformer else "deepcache"
+    cache_nodes = "StepCache(first_block, threshold 0.08)" if transformer else "StepCache(deepcache, interval 3)"
+
     def step_cache(model):
-        return node["SDOptStepCache"]().patch(model, "deepcache", 3, 0, 0.0, 1.0, "fallback")[0]
+        return node["SDOptStepCache"]().patch(model, cache_mode, 3, 0, 0.0, 1.0, "fallback")[0]
+
+    def compiled_cache():
+        if transformer:
+            return over_attention(compile_(step_cache(attention), "compile_regional"), f"{cache_nodes} → Compile(compile_regional)",
+                                  approximate=True)
+        return over_attention(graph(compile_(step_cache(attention), "compile")), f"{cache_nodes} → Compile(compile) → CUDAGraph",
+                              approximate=True)
 
     def easycache(model):
         if "EasyCache" not in node:
@@ -178,9 +193,8 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
         CHANNELS_LAST: channels_last,
         COMPILE_ALONE: lambda: Rung(compile_(base, "compile"), "Compile(compile)", STOCK, base),
         "TorchCompileModel": lambda: Rung(_comfy_torch_compile(base), "ComfyUI TorchCompileModel(inductor)", STOCK, base),
-        CACHE: lambda: over_attention(step_cache(attention), "StepCache(deepcache, interval 3)", approximate=True),
-        COMPILED_CACHE: lambda: over_attention(graph(compile_(step_cache(attention), "compile")),
-                                               "StepCache(deepcache, interval 3) → Compile(compile) → CUDAGraph", approximate=True),
+        CACHE: lambda: over_attention(step_cache(attention), cache_nodes, approximate=True),
+        COMPILED_CACHE: compiled_cache,
         EASYCACHE: lambda: Rung(easycache(base), "ComfyUI EasyCache(0.2, 15–95%)", STOCK, base, approximate=True),
         COMPILED_EASYCACHE: lambda: over_attention(graph(compile_(easycache(attention), "compile")),
                                                    "ComfyUI EasyCache(0.2, 15–95%) → Compile(compile) → CUDAGraph", approximate=True),

@@ -1,6 +1,6 @@
-"""SDOptStepCache in real ComfyUI, on the mini SD1.5 and SDXL checkpoints (CPU, fp32, 64x64, 6 steps);
-on the SD3.5 and Flux minis, whose transformers have no skip connections to cache across, it passes
-the model through with the reason, or refuses.
+"""SDOptStepCache in real ComfyUI, on the mini SD1.5 and SDXL checkpoints (CPU, fp32, 64x64, 6 steps)
+with deepcache, and on the SD3.5 and Flux minis with first_block; each mode passes the other kind of
+model through with the reason and the mode that fits, or refuses.
 
 With interval 1 every call runs the step cache's own split of the UNet (``full_forward`` over
 ComfyUI's blocks), which must give stock's latent exactly: the split calls ComfyUI's blocks in its
@@ -130,10 +130,90 @@ def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_n
 
 def test_a_diffusion_transformer_is_passed_through_with_the_reason_or_refused(dit_host):
     model = dit_host.load_checkpoint()[0]
-    with pytest.raises(Exception, match="mode: the model is not a UNet with down, middle and up blocks"):
+    with pytest.raises(Exception, match="mode: the model is not a UNet with down, middle and up blocks.*; use mode first_block"):
         cached(dit_host, model, on_unavailable="error")
     passed = cached(dit_host, model)
     assert dit_host.fast_path.fast_path_of(passed) is None
     (record,) = dit_host.glue.model_records(passed.model_options)
     assert record["active"] == "eager" and "not a UNet" in record["note"] and "not a UNet" in record["short"]
     assert torch.equal(dit_host.sample(passed), dit_host.sample(model))
+
+
+def first_block(host, model, threshold=0.08, start=0.0, end=1.0, on_unavailable="fallback"):
+    (patched,) = host.nodes["SDOptStepCache"]().patch(model, "first_block", 3, 0, start, end, on_unavailable, threshold)
+    return patched
+
+
+def block_cache(host, model):
+    (cache,) = {host.fast_path.block_cache_of(patch) for patch in
+                model.model_options["transformer_options"]["patches_replace"]["dit"].values()}
+    return cache
+
+
+def test_first_block_at_threshold_zero_runs_every_block_and_equals_stock(dit_host):
+    """Every block goes through the cache's patch, and with nothing reused the latent is stock's."""
+    model = dit_host.load_checkpoint()[0]
+    reference = dit_host.sample(model)
+    patched = first_block(dit_host, model, threshold=0.0)
+    assert torch.equal(dit_host.sample(patched), reference)
+    stats = block_cache(dit_host, patched).stats
+    assert stats.reused_calls == 0 and stats.full_calls == 2, "2 steps, cond and uncond batched in each call"
+    groups = dict(dit_host.pack("nodes.step_cache").block_groups(patched))
+    assert set(patched.model_options["transformer_options"]["patches_replace"]["dit"]) == {
+        (name, index) for name, count in groups.items() for index in range(count)}
+
+
+def test_first_block_skips_the_later_blocks_and_leaves_the_model_alone(comfy_host):
+    """On random weights the first block's change moves by about 100% from step to step (0.9 to 1.2
+    on this mini; a trained model's moves by a few percent), so only the node's largest threshold
+    skips here, and only on some calls."""
+    host = comfy_host.family("sd35")
+    model, reference = _stock(host)
+    patched = first_block(host, model, threshold=1.0)
+    out = host.sample(patched, STEPS)
+    stats = block_cache(host, patched).stats
+    assert stats.full_calls + stats.reused_calls == STEPS and stats.full_calls >= 1 and stats.reused_calls >= 1
+    assert stats.summary() == f"{stats.full_calls} of {STEPS} calls ran every block, {stats.reused_calls} skipped the blocks after the first"
+    assert torch.isfinite(out).all() and not torch.equal(out, reference), "skipped blocks change the latent"
+    assert torch.equal(host.sample(patched, STEPS), out), "a new sampling run starts from a fresh cache"
+    assert torch.equal(host.sample(model, STEPS), reference), "the model the node was given must be unchanged"
+    (record,) = host.glue.model_records(patched.model_options)
+    assert record["active"] == "first_block: threshold 1" and "6 double_blocks" in record["note"]
+
+
+def test_first_block_chained_twice_keeps_the_last_ones_settings(comfy_host):
+    host = comfy_host.family("sd35")
+    model, _ = _stock(host)
+    twice = first_block(host, first_block(host, model, threshold=1.0), threshold=0.0)
+    cache = block_cache(host, twice)
+    assert cache.config.threshold == 0.0
+    host.sample(twice)
+    assert cache.stats.reused_calls == 0, "the first node's cache no longer runs inside the second's"
+
+
+def test_first_block_under_regional_compile_runs_compiled_and_whole_compile_runs_eager(comfy_host):
+    host = comfy_host.family("sd35")
+    model, _ = _stock(host)
+    compile_node = host.nodes["SDOptCompile"]()
+    eager = host.sample(first_block(host, model, threshold=1.0), STEPS)
+
+    regional = compile_node.patch(first_block(host, model, threshold=1.0), "compile_regional", "aot_eager", "default", False, False, "fallback")[0]
+    assert close(host.sample(regional, STEPS), eager)
+    fast = host.fast_path.fast_path_of(regional)
+    assert not fast.eager_reasons and sum(s.compilations for s in fast.stats()[0]) >= 1
+    assert block_cache(host, regional).stats.reused_calls > 0
+
+    whole = compile_node.patch(first_block(host, model, threshold=1.0), "trace", "inductor", "default", False, False, "fallback")[0]
+    assert torch.equal(host.sample(whole, STEPS), eager), "the cache runs, eagerly"
+    assert set(host.fast_path.fast_path_of(whole).eager_reasons) == {host.fast_path.FIRST_BLOCK_EAGER}
+
+
+def test_first_block_on_a_unet_is_passed_through_with_the_mode_that_fits_or_refused(comfy_host, sd15_stock):
+    model, reference = sd15_stock
+    with pytest.raises(Exception, match="mode: the model is not a diffusion transformer.*; use mode deepcache"):
+        first_block(comfy_host, model, on_unavailable="error")
+    passed = first_block(comfy_host, model)
+    (record,) = comfy_host.glue.model_records(passed.model_options)
+    assert record["active"] == "uncached" and "not a diffusion transformer" in record["short"]
+    assert "dit" not in passed.model_options["transformer_options"].get("patches_replace", {})
+    assert torch.equal(comfy_host.sample(passed, STEPS), reference)

@@ -1,11 +1,12 @@
-"""optim.step_cache: the config, the schedule of full and reused calls, and the UNet split."""
+"""optim.step_cache: the config, the schedule of full and reused calls, the UNet split, and First Block Cache."""
 import pytest
 import torch
 from torch import nn
 
 from sdopt.errors import UserError
 from sdopt.optim.step_cache import (
-    FIRST_CALL, INTERVAL_DUE, NEW_SHAPE, OUTSIDE_SPAN, CacheSchedule, StepCacheConfig, full_forward, shallow_forward, unavailable,
+    BYPASSED, CHANGED, FIRST_BLOCK, FIRST_CALL, INTERVAL_DUE, NEW_SHAPE, OUTSIDE_SPAN, CacheSchedule, FirstBlockCache, StepCacheConfig,
+    full_forward, shallow_forward, unavailable,
 )
 
 SHAPES = ((2, 4, 8, 8),)
@@ -132,3 +133,126 @@ def test_a_branch_past_the_levels_is_unavailable():
     assert "past the UNet's 3 skip levels" in reason and (fix, input_name) == ("choose a branch below 3", "branch")
     problem = unavailable(StepCacheConfig(), None, blocks=None)
     assert "not a UNet" in problem.reason and problem.input == "mode"
+
+
+class ToyTransformer(nn.Module):
+    """Flux's shape of forward: double blocks on (img, txt), the last dropping txt where
+    ``drop_txt``, then single blocks on txt and img joined along the tokens."""
+
+    def __init__(self, doubles: int, singles: int, width: int = 8, drop_txt: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.img = nn.ModuleList(nn.Linear(width, width) for _ in range(doubles))
+        self.txt = nn.ModuleList(nn.Linear(width, width) for _ in range(doubles))
+        self.single = nn.ModuleList(nn.Linear(width, width) for _ in range(singles))
+        self.drop_txt = drop_txt
+
+    @property
+    def groups(self):
+        return (("double_block", len(self.img)), ("single_block", len(self.single)))
+
+    def double(self, i, args):
+        txt = None if self.drop_txt and i == len(self.img) - 1 else args["txt"] + torch.tanh(self.txt[i](args["txt"]))
+        return {"img": args["img"] + torch.tanh(self.img[i](args["img"] + args["txt"].mean(1, keepdim=True))), "txt": txt}
+
+    def forward(self, img, txt, cache=None):
+        run_block = (lambda group, i, args, run: run()) if cache is None else cache.block
+        for i in range(len(self.img)):
+            out = run_block("double_block", i, {"img": img, "txt": txt}, lambda: self.double(i, {"img": img, "txt": txt}))
+            img, txt = out["img"], out["txt"] if out["txt"] is not None else txt
+        joined = torch.cat((txt, img), 1)
+        for i, block in enumerate(self.single):
+            joined = run_block("single_block", i, {"img": joined}, lambda: {"img": joined + torch.tanh(block(joined))})["img"]
+        return joined[:, txt.shape[1]:]
+
+
+def _toy_call(model, cache, img, txt, key="cond", position=None, bypass=None):
+    cache.begin(key, (img.shape, txt.shape), position, bypass)
+    return model(img, txt, cache)
+
+
+@pytest.mark.parametrize("doubles, singles, drop_txt", [(3, 4, False), (1, 1, False), (2, 3, True)])
+def test_first_block_cache_skips_an_unchanged_call_and_gives_the_full_output(doubles, singles, drop_txt):
+    model = ToyTransformer(doubles, singles, drop_txt=drop_txt)
+    cache = FirstBlockCache(StepCacheConfig(mode=FIRST_BLOCK, threshold=0.05), model.groups, "img")
+    img, txt = torch.randn(2, 6, 8), torch.randn(2, 3, 8)
+    with torch.no_grad():
+        plain = model(img, txt)
+        first = _toy_call(model, cache, img, txt)
+        again = _toy_call(model, cache, img, txt)
+    assert torch.equal(first, plain), "a full call is the plain forward"
+    torch.testing.assert_close(again, plain, rtol=0, atol=1e-6)  # first block's output + the kept changes: rounding only
+    assert (cache.stats.full_calls, cache.stats.reused_calls) == (1, 1)
+    assert cache.stats.full_reasons == {FIRST_CALL: 1}
+    assert cache.stats.summary() == "1 of 2 calls ran every block, 1 skipped the blocks after the first"
+
+
+def test_first_block_cache_skipped_blocks_do_not_run():
+    model = ToyTransformer(3, 4)
+    cache = FirstBlockCache(StepCacheConfig(mode=FIRST_BLOCK, threshold=0.05), model.groups, "img")
+    img, txt = torch.randn(2, 6, 8), torch.randn(2, 3, 8)
+    ran = []
+    for name, blocks in (("img", model.img), ("single", model.single)):
+        for i, block in enumerate(blocks):
+            block.register_forward_hook(lambda *_, name=name, i=i: ran.append((name, i)))
+    with torch.no_grad():
+        _toy_call(model, cache, img, txt)
+        ran.clear()
+        _toy_call(model, cache, img, txt)
+    assert ran == [("img", 0)]
+
+
+def test_first_block_cache_runs_every_block_where_the_first_block_changed_more_than_the_threshold():
+    model = ToyTransformer(3, 2)
+    cache = FirstBlockCache(StepCacheConfig(mode=FIRST_BLOCK, threshold=0.05), model.groups, "img")
+    img, txt = torch.randn(2, 6, 8), torch.randn(2, 3, 8)
+    other = torch.randn(2, 6, 8)
+    with torch.no_grad():
+        _toy_call(model, cache, img, txt)
+        out = _toy_call(model, cache, other, txt)
+        assert torch.equal(out, model(other, txt))
+        near = _toy_call(model, cache, other * 1.001, txt)  # within the threshold of the last full call
+    assert cache.stats.full_reasons == {FIRST_CALL: 1, CHANGED: 1} and cache.stats.reused_calls == 1
+    torch.testing.assert_close(near, model(other * 1.001, txt), rtol=0, atol=0.05)
+
+
+def test_first_block_cache_threshold_zero_never_skips():
+    model = ToyTransformer(2, 2)
+    cache = FirstBlockCache(StepCacheConfig(mode=FIRST_BLOCK, threshold=0.0), model.groups, "img")
+    img, txt = torch.randn(1, 4, 8), torch.randn(1, 2, 8)
+    with torch.no_grad():
+        outs = [_toy_call(model, cache, img, txt) for _ in range(3)]
+    assert all(torch.equal(out, model(img, txt)) for out in outs)
+    assert cache.stats.reused_calls == 0 and cache.stats.shortfall().startswith("reused nothing")
+
+
+def test_first_block_cache_keys_shapes_span_bypass_and_reset():
+    model = ToyTransformer(2, 2)
+    cache = FirstBlockCache(StepCacheConfig(mode=FIRST_BLOCK, threshold=0.5, start=0.2, end=0.8), model.groups, "img")
+    img, txt = torch.randn(1, 4, 8), torch.randn(1, 2, 8)
+    with torch.no_grad():
+        _toy_call(model, cache, img, txt, position=0.5)
+        _toy_call(model, cache, img, txt, key="uncond", position=0.5)  # its own first call
+        _toy_call(model, cache, img, txt, position=0.9)  # outside the span
+        _toy_call(model, cache, torch.randn(1, 6, 8), txt, position=0.5)  # new shapes
+        _toy_call(model, cache, img, txt, key="uncond", position=0.5)  # reuses uncond's
+        _toy_call(model, cache, img, txt, key="uncond", position=0.5, bypass="ControlNet")
+        _toy_call(model, cache, img, txt, key="uncond", position=0.5)  # the bypass left nothing to reuse
+    assert cache.stats.full_reasons == {FIRST_CALL: 3, OUTSIDE_SPAN: 1, NEW_SHAPE: 1, BYPASSED + " (ControlNet)": 1}
+    assert cache.stats.reused_calls == 1
+    cache.reset()
+    assert cache.stats.summary() == "no model calls yet"
+    with torch.no_grad():
+        _toy_call(model, cache, img, txt, key="uncond", position=0.5)
+    assert cache.stats.full_reasons == {FIRST_CALL: 1}, "a new run reuses nothing from the last"
+
+
+def test_first_block_unavailable_names_the_mode_that_fits():
+    config = StepCacheConfig(mode=FIRST_BLOCK)
+    assert unavailable(config, None, blocks=None, block_groups=(("double_block", 4),)) is None
+    problem = unavailable(config, None, blocks=object(), block_groups=())
+    assert problem.input == "mode" and problem.fix == "use mode deepcache"
+    problem = unavailable(StepCacheConfig(), None, blocks=None, block_groups=(("double_block", 4),))
+    assert problem.fix == "use mode first_block"
+    with pytest.raises(UserError, match="threshold: 1.5"):
+        StepCacheConfig(mode=FIRST_BLOCK, threshold=1.5)
