@@ -28,6 +28,7 @@ from ..errors import UserError
 from ..families import (
     MODEL_NAMES,
     UNET_PREFIX,
+    CheckpointConfig,
     DiffusionModelConfig,
     FluxConfig,
     MMDiTConfig,
@@ -436,13 +437,13 @@ def _transformer_layers_per_block(unet: UNetConfig) -> int | list[int]:
 
 def diffusers_unet_config(name: str) -> dict:
     """``UNet2DConditionModel(**kwargs)`` matching the UNet of model ``name``; a model without one
-    (SD3.5, Flux) is a UserError."""
+    (SD3.5, Flux) is a UserError (``diffusers_diffusion_model`` builds their transformers)."""
     cfg = checkpoint_config(name)
     unet = cfg.diffusion_model
     if not isinstance(unet, UNetConfig):
         unet_models = ", ".join(n for n in MODEL_NAMES if isinstance(checkpoint_config(n).diffusion_model, UNetConfig))
-        raise UserError(f"{name} is a diffusion transformer: the planner and the diffusers rungs build UNet models only "
-                        f"({unet_models}); SD3.5 and Flux are not built through diffusers yet")
+        raise UserError(f"{name} is a diffusion transformer: the diffusers rungs of bench speed run UNet models only "
+                        f"({unet_models}); leave the diffusers rung out for {name}")
     levels = range(len(unet.channel_mult))
     widths = [unet.model_channels * mult for mult in unet.channel_mult]
     config = {
@@ -479,6 +480,66 @@ def diffusers_unet_config(name: str) -> dict:
     return config
 
 
+def _sd3_transformer_config(cfg: CheckpointConfig) -> dict:
+    """``SD3Transformer2DModel(**kwargs)`` matching an MMDiT: ``depth`` heads of 64."""
+    mmdit = cfg.diffusion_model
+    return {
+        "sample_size": cfg.image_size // cfg.vae.downscale,
+        "patch_size": mmdit.patch_size,
+        "in_channels": mmdit.in_channels,
+        "out_channels": mmdit.in_channels,
+        "num_layers": mmdit.depth,
+        "attention_head_dim": mmdit.hidden_size // mmdit.depth,
+        "num_attention_heads": mmdit.depth,
+        "joint_attention_dim": mmdit.context_dim,
+        "caption_projection_dim": mmdit.hidden_size,
+        "pooled_projection_dim": mmdit.adm_in_channels,
+        "pos_embed_max_size": mmdit.pos_embed_max_size,
+        "dual_attention_layers": tuple(mmdit.x_block_self_attn_layers),
+        "qk_norm": "rms_norm" if mmdit.qk_norm else None,
+    }
+
+
+def _rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """Flux's rotary split of a head over (text index, row, column): (16, 56, 56) of 128, the
+    same proportions, each even, for a toy head width."""
+    side = 2 * (7 * head_dim // 32)
+    return head_dim - 2 * side, side, side
+
+
+def _flux_transformer_config(cfg: CheckpointConfig) -> dict:
+    """``FluxTransformer2DModel(**kwargs)`` matching a Flux: diffusers takes the latent already
+    packed into 2x2 patches (``in_channels`` = 16 x patch²) with a patch size of 1."""
+    flux = cfg.diffusion_model
+    return {
+        "patch_size": 1,
+        "in_channels": flux.in_channels * flux.patch_size**2,
+        "num_layers": flux.depth,
+        "num_single_layers": flux.depth_single_blocks,
+        "attention_head_dim": flux.head_dim,
+        "num_attention_heads": flux.num_heads,
+        "joint_attention_dim": flux.context_in_dim,
+        "pooled_projection_dim": flux.vec_in_dim,
+        "guidance_embeds": flux.guidance_embed,
+        "axes_dims_rope": _rope_axes(flux.head_dim),
+    }
+
+
+_DIFFUSERS_DIFFUSION_MODELS = {
+    UNetConfig: ("UNet2DConditionModel", lambda cfg, name: diffusers_unet_config(name)),
+    MMDiTConfig: ("SD3Transformer2DModel", lambda cfg, name: _sd3_transformer_config(cfg)),
+    FluxConfig: ("FluxTransformer2DModel", lambda cfg, name: _flux_transformer_config(cfg)),
+}
+
+
+def diffusers_diffusion_model(name: str) -> tuple[str, dict]:
+    """(the diffusers class, its kwargs) matching the diffusion model of model ``name``:
+    ``UNet2DConditionModel``, ``SD3Transformer2DModel`` (an MMDiT) or ``FluxTransformer2DModel``."""
+    cfg = checkpoint_config(name)
+    class_name, config = _DIFFUSERS_DIFFUSION_MODELS[type(cfg.diffusion_model)]
+    return class_name, config(cfg, name)
+
+
 def diffusers_vae_config(name: str) -> dict:
     """``AutoencoderKL(**kwargs)`` matching the VAE of model ``name``."""
     family, _ = resolve_model(name)
@@ -501,9 +562,11 @@ def diffusers_vae_config(name: str) -> dict:
 
 
 def transformers_clip_text_config(name: str, index: int = 0) -> dict:
-    """``CLIPTextConfig(**kwargs)`` matching text encoder ``index`` of model ``name`` (SDXL: 0 is
-    CLIP-L for ``CLIPTextModel``, 1 is CLIP-G for ``CLIPTextModelWithProjection``)."""
-    text = checkpoint_config(name).text_encoders[index]
+    """``CLIPTextConfig(**kwargs)`` matching text encoder ``index`` of model ``name``, counting the
+    checkpoint's and then those of its text encoder file (SDXL: 0 is CLIP-L for ``CLIPTextModel``,
+    1 is CLIP-G for ``CLIPTextModelWithProjection``; Flux: 0 is the file's CLIP-L)."""
+    cfg = checkpoint_config(name)
+    text = (cfg.text_encoders + cfg.separate_text_encoders)[index]
     config = {
         "vocab_size": text.vocab_size,
         "max_position_embeddings": text.max_position_embeddings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import diffusers
 import pytest
 import torch
 from diffusers import AutoencoderKL, UNet2DConditionModel
@@ -39,6 +40,7 @@ from sdopt.tools.modelgen import (
     ensure_checkpoint,
     separate_text_encoder_specs,
     text_encoder_path,
+    diffusers_diffusion_model,
     diffusers_unet_config,
     diffusers_vae_config,
     lora_specs,
@@ -575,6 +577,61 @@ def test_flux_checkpoint_has_no_text_encoder_and_its_file_is_clip_l(tmp_path):
     assert text_encoder_path(tmp_path / "m.safetensors") == tmp_path / "text_encoders" / "m-text.safetensors"
     chosen = write_checkpoint("flux-tiny", tmp_path / "a.safetensors", text_encoder_out=tmp_path / "t.safetensors")
     assert chosen.text_encoder_path == tmp_path / "t.safetensors" and chosen.text_encoder_path.is_file()
+
+
+ALL_DIT_MODELS = [name for name in MODEL_NAMES if not isinstance(checkpoint_config(name).diffusion_model, UNetConfig)]
+
+
+def _diffusers_diffusion_model(name: str) -> torch.nn.Module:
+    class_name, config = diffusers_diffusion_model(name)
+    with torch.device("meta"):
+        return getattr(diffusers, class_name)(**config)
+
+
+@pytest.mark.parametrize("name", ALL_DIT_MODELS)
+def test_diffusers_transformers_hold_the_checkpoint_s_diffusion_model(name):
+    """Built on the meta device from our kwargs, SD3Transformer2DModel and FluxTransformer2DModel
+    hold as many numbers as the generated diffusion model, so plan models the same networks.
+    diffusers keeps the MMDiT's position grid as a buffer (ComfyUI: a parameter), so the state
+    dicts are compared; diffusers also splits q, k and v, so the tensor counts differ."""
+    module = _diffusers_diffusion_model(name)
+    specs = diffusion_model_specs(checkpoint_config(name).diffusion_model)
+    assert sum(t.numel() for t in module.state_dict().values()) == param_count(specs), name
+
+
+@pytest.mark.parametrize("name, convert", [("sd35-mini", "convert_sd3_transformer_checkpoint_to_diffusers"),
+                                           ("flux-mini", "convert_flux_transformer_checkpoint_to_diffusers")])
+def test_dit_checkpoint_keys_load_strictly_into_the_diffusers_transformer(name, convert):
+    """diffusers' own single-file converter maps every generated tensor onto our module's, with its
+    shape (on meta: nothing is allocated; flux-tiny's width is one the converter cannot split)."""
+    from diffusers.loaders import single_file_utils
+
+    module = _diffusers_diffusion_model(name)
+    with torch.device("meta"):
+        checkpoint = {key[len(UNET_PREFIX):]: torch.empty(spec.shape)
+                      for key, spec in checkpoint_specs(name).items() if key.startswith(UNET_PREFIX)}
+    module.load_state_dict(getattr(single_file_utils, convert)(checkpoint), strict=True, assign=True)
+
+
+def test_diffusers_transformer_kwargs_follow_the_family_configs():
+    _, sd35 = diffusers_diffusion_model("sd35-medium")
+    mmdit = checkpoint_config("sd35-medium").diffusion_model
+    assert (sd35["num_layers"], sd35["num_attention_heads"], sd35["attention_head_dim"]) == (24, 24, 64)
+    assert sd35["dual_attention_layers"] == tuple(range(13)) and sd35["qk_norm"] == "rms_norm"
+    assert (sd35["joint_attention_dim"], sd35["pooled_projection_dim"]) == (mmdit.context_dim, mmdit.adm_in_channels)
+    _, dev = diffusers_diffusion_model("flux-full")
+    _, schnell = diffusers_diffusion_model("flux-schnell")
+    assert (dev["in_channels"], dev["attention_head_dim"], dev["axes_dims_rope"]) == (64, 128, (16, 56, 56))
+    assert dev["guidance_embeds"] and not schnell["guidance_embeds"]
+    _, toy = diffusers_diffusion_model("flux-tiny")
+    assert sum(toy["axes_dims_rope"]) == toy["attention_head_dim"] and all(axis % 2 == 0 for axis in toy["axes_dims_rope"])
+    assert diffusers_diffusion_model("sdxl-mini") == ("UNet2DConditionModel", diffusers_unet_config("sdxl-mini"))
+
+
+def test_diffusers_unet_config_refuses_a_transformer_for_the_diffusers_rungs():
+    with pytest.raises(UserError, match="flux-mini is a diffusion transformer: the diffusers rungs of bench speed") as error:
+        diffusers_unet_config("flux-mini")
+    assert "planner" not in str(error.value)
 
 
 def test_ensure_checkpoint_writes_only_what_is_missing(tmp_path):
