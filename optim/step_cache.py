@@ -297,8 +297,6 @@ class FirstBlockCache:
             return run()
         if group == self.first_group and index == 0:
             return self._first(inputs, run())
-        if index < self._entry_index(group):
-            return run()
         kept = self._kept.get(self._call[0])
         last = index == self.groups[group] - 1
         if self._skipping:
