@@ -1,13 +1,18 @@
 """``python -m sdopt plan``: predicted peak memory of each stage of a model and the settings that fit a budget.
 
-The model is one that sdopt generates (``mini``, ``sdxl-mini``, ...: its family's description in
-``families/``) or the architecture of a checkpoint file among those. Its text encoders, UNet and
-VAE are built from ``modelgen``'s configs (diffusers' ``UNet2DConditionModel`` and
-``AutoencoderKL``, transformers' ``CLIPTextModel`` and, for SDXL's CLIP-G,
-``CLIPTextModelWithProjection``) on the meta device and given fake weights, so nothing is allocated
-and nothing runs. The text encode stage runs every text encoder of the family, one after the other;
-the UNet step takes the family's vector input where it has one (SDXL's ``y``: diffusers'
-``added_cond_kwargs``, the pooled text and the size and crop ids). ``optim.memory_plan`` traces each
+The model is one that sdopt generates (``mini``, ``sdxl-mini``, ``sd35-mini``, ``flux-mini``, ...:
+its family's description in ``families/``) or the architecture of a checkpoint file among those.
+Its text encoders, diffusion model and VAE are built from ``modelgen``'s configs (diffusers'
+``UNet2DConditionModel``, ``SD3Transformer2DModel`` or ``FluxTransformer2DModel`` as the family's
+diffusion model config says, ``AutoencoderKL``, transformers' ``CLIPTextModel`` and, for encoders
+with a projection, ``CLIPTextModelWithProjection``) on the meta device and given fake weights, so
+nothing is allocated and nothing runs. The diffusion model is the ``unet`` part and its stage the
+"UNet step" for every family. The text encode stage runs every text encoder of the family, those of
+the checkpoint and those of its own file (Flux's CLIP-L), one after the other; no T5, which sdopt
+does not generate. The UNet step takes the family's vector input where it has one (SDXL's ``y``:
+diffusers' ``added_cond_kwargs``, the pooled text and the size and crop ids); a diffusion
+transformer's step takes the latent, the text tokens and the pooled text as diffusers does, Flux's
+also the token positions and the guidance where it has a guidance embedder. ``optim.memory_plan`` traces each
 stage (text encode, one UNet step with CFG, VAE decode, VAE encode) at the requested size under
 each candidate setting, fastest first. A stage needs its weights resident (all three models; with
 ``model`` offload only its own; with ``sequential``, sdopt Offload's mode, the UNet step holds only
@@ -15,7 +20,8 @@ the few layers being streamed), its inputs, and its working peak.
 
 ``measure_stage`` runs the same stage for real (random weights) in a fresh process and returns the
 growth of its peak RSS: VmHWM after the stage minus the RSS before it, the high-water mark reset
-through /proc/self/clear_refs once the model is built and the stage has run once at 64 px. So the
+through /proc/self/clear_refs once the model is built and the stage has run once at 64 px (text
+encode, which does not grow with the image, on an 8-token prompt). So the
 baseline holds the interpreter, the libraries, the weights, the inputs and what the first call of a
 library sets up once (oneDNN primitives, OpenMP threads, MKL buffers: 60-120 MiB, which `bench vae`
 leaves in its baseline too): the measured figure is what the planner predicts, the stage's working
@@ -35,7 +41,7 @@ import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from ..errors import UserError
-from ..families import MODEL_NAMES, checkpoint_config, resolve_model
+from ..families import MODEL_NAMES, FluxConfig, MMDiTConfig, UNetConfig, checkpoint_config, resolve_model
 from ..measure.profiler import peak_rss_growth
 from ..measure.report import markdown_table
 from ..optim.lowmem import LowMemConfig
@@ -53,7 +59,7 @@ from ..optim.precision import DTYPES
 from .modelgen import (
     UNET_PREFIX,
     checkpoint_specs,
-    diffusers_unet_config,
+    diffusers_diffusion_model,
     diffusers_vae_config,
     transformers_clip_text_config,
 )
@@ -116,8 +122,15 @@ SETTINGS = {TEXT_ENCODE: TEXT_SETTINGS, UNET_STEP: UNET_SETTINGS, VAE_DECODE: VA
 # The planner's accuracy target (issues 9 and 16): within 20% of the measured peak RSS growth on CPU for these.
 CHECK_CASES = (("mini", UNET_STEP, 512), ("mini", UNET_STEP, 1024),
                ("full", VAE_DECODE, 512), ("full", VAE_DECODE, 1024), ("full", VAE_DECODE, 2048),
-               ("sdxl-mini", UNET_STEP, 512), ("sdxl-mini", UNET_STEP, 1024), ("sdxl-mini", UNET_STEP, 2048))
+               ("sdxl-mini", UNET_STEP, 512), ("sdxl-mini", UNET_STEP, 1024), ("sdxl-mini", UNET_STEP, 2048),
+               # The diffusion transformers, every stage (their VAE is one 16-channel AutoencoderKL).
+               *((dit, stage, size) for dit in ("sd35-mini", "flux-mini")
+                 for stage, size in ((TEXT_ENCODE, 512), (UNET_STEP, 512), (UNET_STEP, 1024), (VAE_DECODE, 512),
+                                     (VAE_ENCODE, 512))))
 _WARM_UP_SIZE = 64
+# Text encode does not grow with the image: warmed up at the full prompt, its own tensors would be in
+# the baseline, so the warm-up encodes a short prompt.
+_WARM_UP_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -190,8 +203,9 @@ def _resident(weights: dict[str, int], stage: str, offload: str, streamed_unet_b
 
 
 def architecture(model: str) -> str:
-    """The name of a model sdopt generates (``mini``, ``sdxl-mini``, ...): ``model`` itself, or the
-    one whose UNet keys and shapes a checkpoint file holds."""
+    """The name of a model sdopt generates (``mini``, ``sdxl-mini``, ``flux-mini``, ...): ``model``
+    itself, or the one whose diffusion model (UNet or transformer) has the keys and shapes a
+    checkpoint file holds under ``model.diffusion_model.``."""
     if model in MODELS:
         return model
     path = Path(model)
@@ -204,12 +218,23 @@ def architecture(model: str) -> str:
             shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
     except Exception as error:  # safetensors raises its own types for every kind of bad file
         raise UserError(f"--model {model!r}: not a readable .safetensors checkpoint ({error})") from None
+    name = architecture_of_shapes(shapes)
+    if name is None:
+        raise UserError(f"--model {model!r}: its diffusion model matches none of the architectures the planner knows "
+                        f"({', '.join(MODELS)}); plan one of those by name")
+    return name
+
+
+def architecture_of_shapes(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The generated model whose diffusion model has exactly these ``model.diffusion_model.`` keys
+    and shapes (a checkpoint's other keys are ignored); None if none has."""
+    diffusion = {k: tuple(shape) for k, shape in shapes.items() if k.startswith(UNET_PREFIX)}
     for name in MODELS:
-        unet = {k: spec.shape for k, spec in checkpoint_specs(name).items() if k.startswith(UNET_PREFIX)}
-        if all(shapes.get(k) == tuple(shape) for k, shape in unet.items()):
+        # Every key, not a subset: Flux.1-dev's is schnell's plus the guidance embedder.
+        expected = {k: tuple(spec.shape) for k, spec in checkpoint_specs(name).items() if k.startswith(UNET_PREFIX)}
+        if diffusion == expected:
             return name
-    raise UserError(f"--model {model!r}: its UNet matches none of the architectures the planner knows "
-                    f"({', '.join(MODELS)}); plan one of those by name")
+    return None
 
 
 def _diffusers():
@@ -221,26 +246,38 @@ def _diffusers():
     return diffusers, transformers
 
 
+def text_encoders(model: str):
+    """The text encoders ``model`` runs: its checkpoint's, then those of its own file (Flux's CLIP-L).
+    No T5: sdopt generates none, and ComfyUI runs SD3.5 without it."""
+    cfg = checkpoint_config(model)
+    return cfg.text_encoders + cfg.separate_text_encoders
+
+
 def text_encoder_names(model: str) -> tuple[str, ...]:
     """The modules of ``model``'s text encoders, as diffusers names them: ``text_encoder``, ``text_encoder_2``, ..."""
-    count = len(checkpoint_config(model).text_encoders)
+    count = len(text_encoders(model))
     return tuple("text_encoder" if index == 0 else f"text_encoder_{index + 1}" for index in range(count))
 
 
 def build_modules(model: str, device: str | torch.device = "meta", names: tuple[str, ...] = PARTS) -> dict[str, torch.nn.Module]:
     """The parts of ``model`` named in ``names`` (``text_encoder``: every text encoder of its family,
-    under ``text_encoder_names``), on ``device``: on meta, the architecture only; elsewhere with
-    diffusers'/transformers' random initialization."""
+    under ``text_encoder_names``; ``unet``: its diffusion model, a UNet or a diffusion transformer),
+    on ``device``: on meta, the architecture only; elsewhere with diffusers'/transformers' random
+    initialization."""
     diffusers, transformers = _diffusers()
 
     def text_encoder(index: int):
-        text = checkpoint_config(model).text_encoders[index]
+        text = text_encoders(model)[index]
         config = transformers.CLIPTextConfig(**transformers_clip_text_config(model, index))
         # An encoder with a text projection (SDXL's CLIP-G) also gives the pooled text.
         return (transformers.CLIPTextModelWithProjection if text.projection_dim else transformers.CLIPTextModel)(config)
 
+    def diffusion_model():
+        class_name, config = diffusers_diffusion_model(model)
+        return getattr(diffusers, class_name)(**config)
+
     builders = {
-        "unet": lambda: diffusers.UNet2DConditionModel(**diffusers_unet_config(model)),
+        "unet": diffusion_model,
         "vae": lambda: diffusers.AutoencoderKL(**diffusers_vae_config(model)),
     }
     for index, name in enumerate(text_encoder_names(model)):
@@ -262,9 +299,52 @@ def _pooled_text_width(model: str) -> int:
     return checkpoint_config(model).text_encoders[-1].projection_dim
 
 
+def pack_latent(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """A (batch, channels, rows, columns) latent as Flux's tokens: (batch, patches, channels x patch²)."""
+    batch, channels, rows, columns = x.shape
+    return (x.view(batch, channels, rows // patch, patch, columns // patch, patch).permute(0, 2, 4, 1, 3, 5)
+            .reshape(batch, (rows // patch) * (columns // patch), channels * patch * patch))
+
+
+def unpack_latent(tokens: torch.Tensor, shape: torch.Size, patch: int) -> torch.Tensor:
+    """``pack_latent``'s inverse: the tokens back into a latent of ``shape``."""
+    batch, channels, rows, columns = shape
+    return (tokens.view(batch, rows // patch, columns // patch, channels, patch, patch).permute(0, 3, 1, 4, 2, 5)
+            .reshape(batch, channels, rows, columns))
+
+
+def _transformer_step(model: str, transformer, latent: tuple[int, int, int], dtype: torch.dtype, make):
+    """(function, inputs) of one CFG step of a diffusion transformer as diffusers takes it: the
+    latent, the timesteps, the text tokens (``joint_attention_dim`` wide), the pooled text
+    (``pooled_projection_dim``); Flux packs the latent into 2x2 patches inside the step (as
+    ComfyUI's Flux does in its forward) and takes the tokens' positions and, where it has a
+    guidance embedder, the guidance."""
+    config = transformer.config
+    inputs = (make((2, *latent), dtype), make((2,), dtype),
+              make((2, PROMPT_TOKENS, config.joint_attention_dim), dtype), make((2, config.pooled_projection_dim), dtype))
+    diffusion = checkpoint_config(model).diffusion_model
+    if isinstance(diffusion, MMDiTConfig):
+        return (lambda x, t, c, pooled: transformer(x, c, pooled, t).sample), inputs
+    if not isinstance(diffusion, FluxConfig):
+        raise TypeError(f"{model}: no diffusers step for a {type(diffusion).__name__}")
+    patch = diffusion.patch_size
+    tokens = (latent[1] // patch) * (latent[2] // patch)
+
+    def step(x, t, c, pooled, image_ids, text_ids, *guidance):
+        out = transformer(pack_latent(x, patch), c, pooled, t, image_ids, text_ids, *guidance).sample
+        return unpack_latent(out, x.shape, patch)
+
+    # Positions: (index, row, column) per token, no batch dimension (diffusers' current form).
+    inputs += (make((tokens, 3), dtype), make((PROMPT_TOKENS, 3), dtype))
+    if config.guidance_embeds:
+        inputs += (make((2,), dtype),)
+    return step, inputs
+
+
 def stage_call(model: str, stage: str, modules: dict, width: int, height: int, dtype: torch.dtype, make,
-               setting: Setting = Setting("")):
-    """(function, input tensors) of one stage of ``model`` at ``width`` x ``height``; ``make(shape, dtype)`` makes a tensor."""
+               setting: Setting = Setting(""), prompt_tokens: int = PROMPT_TOKENS):
+    """(function, input tensors) of one stage of ``model`` at ``width`` x ``height``; ``make(shape, dtype)``
+    makes a tensor. ``prompt_tokens``: the text encode stage's prompt length."""
     from ..optim.tiled_vae import TiledVAEConfig, tiled_decode, tiled_encode
 
     vae = modules["vae"]
@@ -277,9 +357,11 @@ def stage_call(model: str, stage: str, modules: dict, width: int, height: int, d
         encoders = _text_encoders(modules)
         # As ComfyUI does: each encoder in turn, their hidden states joined along the width.
         return (lambda ids: torch.cat([encoder(ids).last_hidden_state for encoder in encoders], dim=-1)), (
-            make((1, PROMPT_TOKENS), torch.long),)
+            make((1, prompt_tokens), torch.long),)
     if stage == UNET_STEP:
         unet = modules["unet"]
+        if not isinstance(checkpoint_config(model).diffusion_model, UNetConfig):
+            return _transformer_step(model, unet, latent, dtype, make)
         inputs = [make((2, *latent), dtype), make((2,), dtype), make((2, PROMPT_TOKENS, unet.config.cross_attention_dim), dtype)]
         if unet.config.addition_embed_type != "text_time":
             return (lambda x, t, c: unet(x, t, encoder_hidden_states=c).sample), tuple(inputs)
@@ -377,6 +459,16 @@ class Planner:
         return chosen
 
 
+def largest_side(model: str) -> int | None:
+    """The largest image side ``model`` takes: an MMDiT's stored position grid
+    (``pos_embed_max_size`` patches a side) bounds its latent; None where nothing does."""
+    cfg = checkpoint_config(model)
+    diffusion = cfg.diffusion_model
+    if isinstance(diffusion, MMDiTConfig):
+        return diffusion.pos_embed_max_size * diffusion.patch_size * cfg.vae.downscale
+    return None
+
+
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -390,6 +482,11 @@ def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str
         if value < 64 or value % 64:
             raise UserError(f"{name}: {value} px must be a positive multiple of 64")
     name = architecture(model)
+    limit = largest_side(name)
+    for option, value in (("--width", width), ("--height", height)):
+        if limit and value > limit:
+            raise UserError(f"{option}: {value} px is over {name}'s largest side, {limit} px "
+                            "(the position grid its transformer stores)")
     planner = Planner(name, dtype, workspace)
     plan = Plan(model, width, height, dtype, budget_bytes, planner.weights, streamed_unet_bytes=planner.streamed_unet_bytes)
     plan.stock = [planner.predict(stage, SETTINGS[stage][0], width, height) for stage in STAGES]
@@ -401,11 +498,16 @@ def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str
             break
     if search:
         plan.searched = True
-        plan.largest_square = largest_fitting(lambda side: planner.fits_with_search_settings(side, budget_bytes), high=SEARCH_LIMIT)
+        plan.largest_square = largest_fitting(lambda side: planner.fits_with_search_settings(side, budget_bytes),
+                                              high=min(SEARCH_LIMIT, limit or SEARCH_LIMIT))
     for p in dict.fromkeys(p for p in [*plan.stock, *plan.low_memory, *plan.chosen] if p.note):
         plan.notes.append(f"{p.stage}, {p.setting}: {p.note}")
     plan.notes.append(f"{name}: the {resolve_model(name)[0].title} architecture, {dtype}, kernel workspaces modelled for {workspace}; "
                       "working peaks exclude weights and inputs, totals add them")
+    if not isinstance(checkpoint_config(name).diffusion_model, UNetConfig):
+        plan.notes.append(f"text encode runs {name}'s CLIP encoders only ({len(text_encoders(name))}): no T5-XXL, which sdopt "
+                          "does not generate (a real checkpoint's T5 adds 4.7B parameters and 256-512 tokens); "
+                          "the UNet step row is the diffusion transformer's step")
     return plan
 
 
@@ -472,7 +574,8 @@ def _measure_here(spec: dict) -> dict:
     modules = build_modules(model, "cpu", tuple({_STAGE_MODEL[spec["stage"]], "vae"}))
     make = lambda shape, dtype: torch.randn(shape) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
     with torch.inference_mode():  # the libraries' one-time set-up belongs to the baseline
-        warm_up, warm_up_inputs = stage_call(model, spec["stage"], modules, _WARM_UP_SIZE, _WARM_UP_SIZE, torch.float32, make)
+        warm_up, warm_up_inputs = stage_call(model, spec["stage"], modules, _WARM_UP_SIZE, _WARM_UP_SIZE, torch.float32, make,
+                                             prompt_tokens=_WARM_UP_TOKENS)
         warm_up(*warm_up_inputs)
     del warm_up, warm_up_inputs
     fn, inputs = stage_call(model, spec["stage"], modules, spec["width"], spec["height"], torch.float32, make)

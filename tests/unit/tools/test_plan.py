@@ -1,6 +1,8 @@
 """``python -m sdopt plan``: input errors as one line, a plan for mini at 512, the predicted VAE
 decode peak at 512 against the peak RSS growth of a real decode in a fresh process, and SDXL: two
-text encoders, the UNet's ``y`` vector (diffusers' added_cond_kwargs) and its checkpoints' architecture."""
+text encoders, the UNet's ``y`` vector (diffusers' added_cond_kwargs) and its checkpoints' architecture;
+SD3.5 and Flux: their text encoders, the transformer step's inputs as diffusers takes them, Flux's
+latent packing, their checkpoints' architecture and SD3.5's largest side."""
 import json
 
 import pytest
@@ -182,4 +184,99 @@ def test_check_takes_the_cases_of_one_model(capsys, monkeypatch):
     assert main(["plan", "--check", "--model", "sdxl-mini"]) == 0
     assert [(model, stage) for model, stage, _ in asked] == [("sdxl-mini", UNET_STEP)] * 3
     assert sorted(size for *_, size in asked) == [512, 1024, 2048]
-    assert "the checked models are mini, full, sdxl-mini" in _one_line_error(capsys, ["plan", "--check", "--model", "sdxl-full"])
+    assert "the checked models are mini, full, sdxl-mini, sd35-mini, flux-mini" in _one_line_error(capsys, ["plan", "--check", "--model", "sdxl-full"])
+
+
+# --- the diffusion transformers (SD3.5, Flux) -------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["sd35-tiny", "flux-tiny"])
+def dit_tiny(request):
+    return Planner(request.param)
+
+
+def test_dit_text_encode_runs_the_family_s_text_encoders(dit_tiny):
+    """SD3.5's encoders sit in its checkpoint, Flux's CLIP-L in a file of its own: both are run."""
+    from sdopt.tools.plan import text_encoder_names, text_encoders
+
+    texts = text_encoders(dit_tiny.model)
+    assert texts and set(text_encoder_names(dit_tiny.model)) == {n for n in dit_tiny.modules if n.startswith("text_encoder")}
+    assert dit_tiny.weights["text_encoder"] > 0
+    fn, inputs = stage_call(dit_tiny.model, TEXT_ENCODE, dit_tiny.modules, 64, 64, torch.float32, dit_tiny._make)
+    with dit_tiny.mode:
+        hidden = fn(*inputs)
+    assert tuple(hidden.shape) == (1, 77, sum(text.hidden_size for text in texts))
+
+
+def test_dit_step_takes_diffusers_inputs_and_gives_back_the_latent(dit_tiny):
+    from sdopt.families import FluxConfig, checkpoint_config
+
+    config = checkpoint_config(dit_tiny.model)
+    diffusion = config.diffusion_model
+    # sd35-tiny's position grid (16 patches of 2 latent pixels, VAE downscale 2) bounds it at 64 px.
+    width = 128 if isinstance(diffusion, FluxConfig) else 64
+    fn, inputs = stage_call(dit_tiny.model, UNET_STEP, dit_tiny.modules, width, 64, torch.float32, dit_tiny._make)
+    x, t, context, pooled, *flux_inputs = inputs
+    down = config.vae.downscale
+    assert tuple(x.shape) == (2, 16, 64 // down, width // down) and tuple(t.shape) == (2,)
+    transformer = dit_tiny.modules["unet"].config
+    assert tuple(context.shape) == (2, 77, transformer.joint_attention_dim)
+    assert tuple(pooled.shape) == (2, transformer.pooled_projection_dim)
+    if isinstance(diffusion, FluxConfig):
+        image_ids, text_ids, guidance = flux_inputs
+        tokens = (64 // down // diffusion.patch_size) * (width // down // diffusion.patch_size)
+        assert (tuple(image_ids.shape), tuple(text_ids.shape), tuple(guidance.shape)) == ((tokens, 3), (77, 3), (2,))
+    else:
+        assert flux_inputs == []
+    with dit_tiny.mode:
+        assert fn(*inputs).shape == x.shape
+    stock = dit_tiny.predict(UNET_STEP, SETTINGS[UNET_STEP][0], width, 64)
+    # Sequential CFG runs the two halves one after the other (Flux's positions have no batch to split).
+    sequential = dit_tiny.predict(UNET_STEP, SETTINGS[UNET_STEP][1], width, 64)
+    assert 0 < sequential.peak_bytes < stock.peak_bytes
+
+
+def test_flux_latent_packing_is_diffusers_own():
+    from sdopt.tools.plan import pack_latent, unpack_latent
+
+    latent = torch.randn(2, 16, 6, 10)
+    packed = pack_latent(latent, 2)
+    assert torch.equal(packed, diffusers.FluxPipeline._pack_latents(latent, 2, 16, 6, 10))
+    assert torch.equal(unpack_latent(packed, latent.shape, 2), latent)
+
+
+def test_dit_checkpoint_architecture_from_its_keys(tmp_path):
+    from safetensors.torch import save_file
+
+    from sdopt.tools.modelgen import UNET_PREFIX, checkpoint_specs
+    from sdopt.tools.plan import architecture_of_shapes
+
+    for name in ("sd35-tiny", "flux-tiny"):
+        part = {k: torch.zeros(spec.shape, dtype=torch.float16) for k, spec in checkpoint_specs(name).items()
+                if k.startswith(UNET_PREFIX)}
+        save_file(part, tmp_path / f"{name}.safetensors")
+        assert architecture(str(tmp_path / f"{name}.safetensors")) == name
+    # Flux.1-dev holds every tensor of schnell and the guidance embedder: the keys must match exactly.
+    for name in ("flux-schnell", "flux-full", "sd35-medium"):
+        assert architecture_of_shapes({k: spec.shape for k, spec in checkpoint_specs(name).items()}) == name
+
+
+def test_sd35_plan_is_bounded_by_its_position_grid(capsys):
+    from sdopt.tools.plan import make_plan
+
+    assert "--width: 128 px is over sd35-tiny's largest side, 64 px" in _one_line_error(
+        capsys, ["plan", "--model", "sd35-tiny", "--width", "128", "--height", "64"])
+    plan = make_plan("sd35-tiny", 64, 64, 2**33)
+    assert plan.offload == "none" and plan.largest_square == 64
+
+
+def test_cli_plans_flux_mini_without_t5(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "flux-mini", "--width", "256", "--height", "256", "--budget", "8GiB", "--no-search",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "flux-mini: the Flux architecture" in printed and "no T5-XXL" in printed
+    plan = json.loads(out.read_text())
+    # One double and one single block at 3072 wide, 0.535B parameters in fp32; CLIP-L for text.
+    assert plan["weights_bytes"]["unet"] == 535_324_480 * 4
+    assert 0.45 * 2**30 < plan["weights_bytes"]["text_encoder"] < 0.5 * 2**30
+    assert plan["fits"] and 16 * 2**20 < plan["stock"][1]["peak_bytes"] < 2**30
