@@ -3,18 +3,43 @@
 A compute-dtype change is ComfyUI's own ``set_model_compute_dtype`` on a clone. A weight-dtype or
 layout change gets a private copy of the diffusion model's weights (``glue.private_copy``), converted
 from the weights before any sdopt copy, so a second Precision node rounds as if it were alone; fp8
-storage is upcast per layer by ComfyUI's cast path. Channels-last converts the 4-D (conv) weights:
+storage is upcast per layer by ComfyUI's cast path, or, with compute_dtype fp8_matmul, each Linear of
+the copy multiplies in fp8 (``optim.precision.fp8_linear``) where its weight sits ready on the
+input's device with no ComfyUI weight function pending, and otherwise runs ComfyUI's own forward.
+Channels-last converts the 4-D (conv) weights:
 with NCHW weights a channels-last activation would make every convolution convert its weight on
 each call. TF32 is process-wide, so it is scoped to each sampling run by an OUTER_SAMPLE wrapper.
 """
 import torch
 
-from ..optim.precision import AUTO, COMPUTE_DTYPES, WEIGHT_DTYPES, PrecisionConfig, converted_copy, dtype_name, pick_dtype, plan_precision, tf32_scope, weight_bytes
+import functools
+
+from ..optim.precision import (AUTO, COMPUTE_DTYPES, FP8_MATMUL, WEIGHT_DTYPES, PrecisionConfig, converted_copy, dtype_name, fp8_linear,
+                               pick_dtype, plan_precision, tf32_scope, weight_bytes)
 from ..measure.profiler import format_mib
 from . import glue
 from .glue import DEFAULT
 
 NODE = "SDOptPrecision"
+
+
+def _fp8_forward(module: torch.nn.Module, compute_dtype: torch.dtype, x: torch.Tensor, *args, **kwargs):
+    plain = type(module).forward
+    if args or kwargs or getattr(module, "weight_function", None) or getattr(module, "bias_function", None) \
+            or module.weight.device != x.device:
+        return plain(module, x, *args, **kwargs)
+    out = fp8_linear(x, module.weight, module.bias, compute_dtype)
+    return plain(module, x) if out is None else out.to(x.dtype)
+
+
+def _multiply_in_fp8(diffusion_model: torch.nn.Module, compute_dtype: torch.dtype) -> tuple[int, int]:
+    """Point every fp8 e4m3 Linear of ``diffusion_model`` (a private copy) at ``fp8_linear``:
+    (layers whose widths ``_scaled_mm`` takes, Linear layers in all)."""
+    linears = [m for m in diffusion_model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float8_e4m3fn]
+    for module in linears:
+        module.forward = functools.partial(_fp8_forward, module, compute_dtype)
+    fitting = sum(1 for m in linears if m.in_features % 16 == 0 and m.out_features % 16 == 0)
+    return fitting, len(linears)
 
 
 def _tf32_sampling(executor, *args, **kwargs):
@@ -40,9 +65,10 @@ class SDOptPrecision:
             "weight_dtype": ([AUTO, DEFAULT, *WEIGHT_DTYPES], {"default": AUTO, "tooltip": (
                 "How the UNet weights are stored. auto: fp16 on CUDA (bf16 for a model that prefers it, such as Flux), on a CPU bf16 where it measured faster than fp32, "
                 "else fp32. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),
-            "compute_dtype": ([DEFAULT, *COMPUTE_DTYPES], {"default": DEFAULT, "tooltip": (
+            "compute_dtype": ([DEFAULT, *COMPUTE_DTYPES, FP8_MATMUL], {"default": DEFAULT, "tooltip": (
                 "The dtype the UNet computes in. default: the new weight dtype where the device computes in it, "
-                "otherwise what the model computes in now.")}),
+                "otherwise what the model computes in now. fp8_matmul (with weight_dtype fp8_e4m3fn, on GPUs of compute "
+                "capability 8.9+): Linear layers multiply in fp8 (torch._scaled_mm, activations scaled per call), the rest in bf16.")}),
             "tf32": ("BOOLEAN", {"default": False, "tooltip": "Allow TF32 matmuls and convolutions (CUDA, Ampere and newer) during sampling only."}),
             "channels_last": ("BOOLEAN", {"default": False, "tooltip": (
                 "Store the conv weights channels-last (NHWC) in a private copy, so convolutions run channels-last: "
@@ -62,13 +88,19 @@ class SDOptPrecision:
         convs = sum(p.ndim == 4 for p in model.model.diffusion_model.parameters())
         computing = model.get_model_object("manual_cast_dtype") or stored
         plan = plan_precision(config, stored, computing, device)
-        if plan.weight_dtype != stored or channels_last:
-            glue.refuse_quantized(model, "weight_dtype" if plan.weight_dtype != stored else "channels_last")
+        if plan.weight_dtype != stored or channels_last or plan.fp8_matmul:
+            glue.refuse_quantized(model, "channels_last" if channels_last and plan.weight_dtype == stored else "weight_dtype")
             unet = model.model.diffusion_model
             m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last), notes)
             m.model.diffusion_model.dtype = plan.weight_dtype
             m.model.manual_cast_dtype = plan.compute_dtype if plan.upcasts else None
             m.set_model_compute_dtype(m.model.manual_cast_dtype)
+            if plan.fp8_matmul:
+                fitting, linears = _multiply_in_fp8(m.model.diffusion_model, plan.compute_dtype)
+                notes.append(f"fp8 matmuls: {fitting} of {linears} Linear layers through torch._scaled_mm, activations scaled "
+                             f"to e4m3 per call" + (f"; the other {linears - fitting} (widths not multiples of 16) and "
+                                                     "every other op compute" if fitting < linears else "; every other op computes")
+                             + f" in {dtype_name(plan.compute_dtype)}")
             before, after = weight_bytes(unet), weight_bytes(unet, plan.weight_dtype)
             layout = f", {convs} conv weights channels-last," if channels_last else ""
             notes.append(f"diffusion model weights {format_mib(before)} → {format_mib(after)} MiB{layout} in a private copy; "
@@ -88,6 +120,7 @@ class SDOptPrecision:
                          "(a diffusion transformer's only conv, if any, is its patch embedding)")
         short = "; ".join(shorts)
         requested = f"weight={weight_dtype}, compute={compute_dtype}, tf32={'on' if tf32 else 'off'}, channels_last={'on' if channels_last else 'off'}"
-        active = f"weight={dtype_name(plan.weight_dtype)}, compute={dtype_name(plan.compute_dtype)}" + (", tf32" if tf32 else "") + (", channels_last" if channels_last else "")
+        compute = f"{FP8_MATMUL}+{dtype_name(plan.compute_dtype)}" if plan.fp8_matmul else dtype_name(plan.compute_dtype)
+        active = f"weight={dtype_name(plan.weight_dtype)}, compute={compute}" + (", tf32" if tf32 else "") + (", channels_last" if channels_last else "")
         glue.record_model(m, NODE, requested, active, "; ".join(notes), short)
         return (m,)

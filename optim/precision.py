@@ -4,7 +4,8 @@ Host-independent. ``plan_precision`` resolves a ``PrecisionConfig`` for a model 
 (``pick_dtype`` says what ``auto`` means there, measured where it matters), and
 ``converted_copy`` makes the private copy of a module whose weights are stored in the planned
 dtype; the host computes in the planned compute dtype (ComfyUI: its per-layer cast, which also
-upcasts fp8 storage). Nothing here changes the module it is given.
+upcasts fp8 storage), or, with ``fp8_matmul``, multiplies fp8 e4m3 weights in fp8 (``fp8_linear``:
+``torch._scaled_mm`` with a per-call activation scale). Nothing here changes the module it is given.
 
 TF32 is process-global, so it is a scope (``tf32_scope``) around the calls that should
 use it, never a property of a module. ``run_with_nan_guard`` redoes a decode/encode
@@ -40,6 +41,9 @@ DTYPES: dict[str, torch.dtype] = {
 WEIGHT_DTYPES = tuple(DTYPES)
 AUTO = "auto"
 COMPUTE_DTYPES = ("fp32", "fp16", "bf16")
+FP8_MATMUL = "fp8_matmul"
+# e4m3's largest finite value: an activation is scaled so that its largest magnitude lands there.
+E4M3_MAX = 448.0
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # torch >= 2.9 also keeps TF32 settings per backend ("fp32_precision"), next to the legacy
@@ -91,6 +95,39 @@ def compute_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     if dtype.itemsize == 1 or not dtype.is_floating_point:
         return False
     return _computes(str(torch.device(device)), dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``x @ weight.T + bias`` with ``weight`` stored fp8 e4m3 (scale 1, as ComfyUI stores fp8 and
+    patches LoRAs into it) and ``x`` quantized to e4m3 with one scale per call (its largest magnitude
+    at ``E4M3_MAX``, where ComfyUI's fp8 fast path clamps at it), multiplied by ``torch._scaled_mm``
+    into ``out_dtype``. None where the layer's widths are not multiples of 16, which ``_scaled_mm``
+    needs (the caller computes it as before); the rows are padded to one."""
+    features, outputs = x.shape[-1], weight.shape[0]
+    if features % 16 or outputs % 16:
+        return None
+    rows = x.reshape(-1, features)
+    padded = -rows.shape[0] % 16
+    if padded:
+        rows = F.pad(rows, (0, 0, 0, padded))
+    scale = (rows.abs().amax().float() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    quantized = (rows.float() / scale).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=x.device, dtype=torch.float32)
+    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=one, out_dtype=out_dtype,
+                           bias=None if bias is None else bias.to(out_dtype))
+    return out[: out.shape[0] - padded].reshape(*x.shape[:-1], outputs)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_matmul_supported(device: torch.device | str) -> bool:
+    """Whether ``torch._scaled_mm`` multiplies e4m3 matrices on ``device`` (tried once)."""
+    device = torch.device(device)
+    try:
+        x = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+        out = fp8_linear(x, torch.ones(16, 16, device=device).to(torch.float8_e4m3fn), None, torch.bfloat16)
+        return bool(torch.isfinite(out).all())
+    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+        return False
 
 
 def check_compute_dtype(dtype: torch.dtype, device: torch.device | str, input_name: str = "compute_dtype") -> None:
@@ -213,7 +250,7 @@ class PrecisionConfig:
     def __post_init__(self):
         if self.weight_dtype is not None:
             parse_dtype(self.weight_dtype, "weight_dtype", WEIGHT_DTYPES)
-        if self.compute_dtype is not None:
+        if self.compute_dtype is not None and self.compute_dtype != FP8_MATMUL:
             parse_dtype(self.compute_dtype, "compute_dtype", COMPUTE_DTYPES)
 
 
@@ -225,6 +262,7 @@ class PrecisionPlan:
     compute_dtype: torch.dtype
     tf32: bool
     channels_last: bool
+    fp8_matmul: bool = False
 
     @property
     def upcasts(self) -> bool:
@@ -240,9 +278,23 @@ def plan_precision(
     The compute dtype is the requested one (checked on ``device``); without one, a new
     weight dtype that ``device`` computes in is also the compute dtype (like
     ``module.half()``), and otherwise (fp8, or a dtype the device does not run) the
-    model keeps computing as it does now.
+    model keeps computing as it does now. ``fp8_matmul``: fp8 e4m3 weights multiplied in fp8 where
+    ``fp8_matmul_supported``, everything else computed in bf16 on CUDA (else fp16), elsewhere in fp32
+(CPUs mostly emulate bf16, and fp8 matmuls are for GPUs: on a CPU the mode is there to check numbers).
     """
     weight = DTYPES[config.weight_dtype] if config.weight_dtype else stored
+    if config.compute_dtype == FP8_MATMUL:
+        if weight != torch.float8_e4m3fn:
+            raise UserError(f"compute_dtype: {FP8_MATMUL} multiplies fp8_e4m3fn weights, and these are {dtype_name(weight)}: "
+                            "set weight_dtype to fp8_e4m3fn")
+        if not fp8_matmul_supported(device):
+            raise UserError(f"compute_dtype: {FP8_MATMUL}: torch._scaled_mm does not run on {torch.device(device)} (fp8 matmuls "
+                            "need an NVIDIA GPU of compute capability 8.9 or newer); choose bf16 or fp16, which keeps the fp8 "
+                            "weights' memory saving")
+        rest = torch.float32
+        if torch.device(device).type == "cuda":
+            rest = next((d for d in (torch.bfloat16, torch.float16) if compute_supported(d, device)), torch.float32)
+        return PrecisionPlan(weight, rest, config.tf32, config.channels_last, fp8_matmul=True)
     if config.compute_dtype:
         compute = DTYPES[config.compute_dtype]
         check_compute_dtype(compute, device, "compute_dtype")

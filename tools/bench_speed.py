@@ -63,7 +63,10 @@ CACHE, COMPILED_CACHE, EASYCACHE, COMPILED_EASYCACHE = "cache", "compile+graph+c
 CACHE_RUNGS = (CACHE, COMPILED_CACHE, EASYCACHE, COMPILED_EASYCACHE)
 # Asked for by --rungs only: the channels-last rung compiles anew; the diffusers rungs run diffusers' own
 # UNet and pipeline on the same checkpoint's weights (tools/diffusers_pipeline.py), the competitor recipe.
-OFFERED_RUNGS = RUNGS + (COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE) + CACHE_RUNGS
+# fp8 e4m3 weights multiplied in fp8 (Precision's fp8_matmul): its image differs from the half-precision
+# one by the activations' and weights' e4m3 rounding, reported against the attention rung, not held.
+FP8_MATMUL_RUNG = "fp8_matmul"
+OFFERED_RUNGS = RUNGS + (COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE, FP8_MATMUL_RUNG) + CACHE_RUNGS
 SAMPLING_SPAN = "sdopt.bench: sampler"
 CHANNELS_LAST_EAGER = "attention+channels_last"
 
@@ -99,7 +102,7 @@ class Rung:
     eager: str = ""  # the eager twin whose image this rung's must match; "" for a rung that is eager itself
     eager_model: object = None
     sample: object = None  # a DiffusersSampler that samples instead of ComfyUI's KSampler; model is then the ComfyUI model whose latent format it shares
-    approximate: bool = False  # a step cache: its image is compared with the eager twin's, not held to the tolerance
+    approximate: bool = False  # a step cache or fp8 matmuls: its image is compared with the eager twin's, not held to the tolerance
 
 
 @dataclass
@@ -176,6 +179,11 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
             raise UserError("--rungs EasyCache: this ComfyUI has no EasyCache node (it came with ComfyUI 0.3.50); leave the rung out")
         return node["EasyCache"].execute(model, 0.2, 0.15, 0.95, False).result[0]
 
+    def fp8_matmul():
+        fp8 = node["SDOptPrecision"]().patch(base, "fp8_e4m3fn", "fp8_matmul", False, False)[0]
+        return Rung(node["SDOptAttention"]().patch(fp8, "sdpa", "fallback", 0, 32)[0], "Precision(fp8_e4m3fn, fp8_matmul) → Attention(sdpa)",
+                    "attention", attention, approximate=True)
+
     def channels_last():
         eager = attention_over_precision(True)[1]
         return Rung(graph(compile_(eager, "compile")),
@@ -192,6 +200,7 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
         "compile+graph": lambda: over_attention(graph(compile_(attention, "compile")), "Compile(compile) → CUDAGraph"),
         CHANNELS_LAST: channels_last,
         COMPILE_ALONE: lambda: Rung(compile_(base, "compile"), "Compile(compile)", STOCK, base),
+        FP8_MATMUL_RUNG: fp8_matmul,
         "TorchCompileModel": lambda: Rung(_comfy_torch_compile(base), "ComfyUI TorchCompileModel(inductor)", STOCK, base),
         CACHE: lambda: over_attention(step_cache(attention), cache_nodes, approximate=True),
         COMPILED_CACHE: compiled_cache,
@@ -407,7 +416,7 @@ def _vs_eager(row: SpeedRow) -> str:
         return "— (eager)"
     if row.psnr_vs_eager_db is not None:
         return (f"{row.max_pixel_diff_vs_eager:.1f} / {row.mean_pixel_diff_vs_eager:.2f}, PSNR {row.psnr_vs_eager_db:.1f} dB "
-                f"(cached: not held to the tolerance; {row.eager_twin})")
+                f"(approximate by design: not held to the tolerance; {row.eager_twin})")
     verdict = "ok" if row.within_tolerance else "OUT OF TOLERANCE"
     return f"{row.max_pixel_diff_vs_eager:.1f} / {row.mean_pixel_diff_vs_eager:.2f} {verdict} ({row.eager_twin})"
 

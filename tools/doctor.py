@@ -240,13 +240,15 @@ def storage_tolerance(dtype: torch.dtype) -> float:
 
 
 def _fp8_matmul(device: torch.device) -> float:
-    """Relative error of an fp8 (e4m3) scaled matmul (``torch._scaled_mm``) against fp32."""
+    """Relative error of sdopt Precision's fp8 matmul (``fp8_linear``: the activations scaled to e4m3,
+    ``torch._scaled_mm``) against the same fp8 weights in fp32."""
+    from ..optim.precision import fp8_linear
+
     generator = _generator()
     a = _randn(16, 32, device=device, generator=generator)
-    b = _randn(16, 32, device=device, generator=generator)
-    one = torch.ones((), device=device)
-    out = torch._scaled_mm(a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    reference = a.to(torch.float8_e4m3fn).float() @ b.to(torch.float8_e4m3fn).float().t()
+    b = _randn(16, 32, device=device, generator=generator).to(torch.float8_e4m3fn)
+    out = fp8_linear(a, b, None, torch.bfloat16)
+    reference = a @ b.float().t()
     _sync(device)
     return float((out.float() - reference).abs().max() / reference.abs().max())
 
@@ -283,7 +285,7 @@ def check_dtypes(ctx: Context) -> list[CheckRow]:
                                  f"{name} gives wrong numbers here: keep sdopt Precision's compute_dtype at fp32 and update torch and the driver"))
         else:
             rows.append(CheckRow(f"{name} compute", tried, OK, f"relative error {error:.1e}"))
-    tried = f"an fp8 e4m3 scaled matmul (torch._scaled_mm) on {device}, against fp32"
+    tried = f"sdopt's fp8 e4m3 matmul (activations scaled per call, torch._scaled_mm) on {device}, against fp32"
     try:
         error = _fp8_matmul(device)
     except Exception as failure:
@@ -294,8 +296,9 @@ def check_dtypes(ctx: Context) -> list[CheckRow]:
                              f"fp8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell){capability}; "
                              "sdopt Precision's fp8 weight_dtype still halves the weights' memory (stored fp8, computed in fp16/bf16)"))
     else:
-        rows.append(CheckRow("fp8 compute", tried, OK, f"relative error {error:.1e}; sdopt stores fp8 and computes in fp16/bf16, "
-                                                       "ComfyUI's quantized checkpoints use these matmuls"))
+        rows.append(CheckRow("fp8 compute", tried, OK, f"relative error {error:.1e}; sdopt Precision multiplies fp8_e4m3fn weights "
+                                                       "this way with compute_dtype fp8_matmul, and ComfyUI's quantized checkpoints "
+                                                       "use these matmuls"))
     return rows
 
 
@@ -637,7 +640,7 @@ def _trial_failed(ctx: Context, check: str) -> str:
 
 
 def _precision_rows(ctx: Context) -> list[CheckRow]:
-    from ..optim.precision import COMPUTE_DTYPES, DTYPES, compute_supported, pick_dtype
+    from ..optim.precision import COMPUTE_DTYPES, DTYPES, FP8_MATMUL, compute_supported, fp8_matmul_supported, pick_dtype
 
     device = ctx.device
     pick = pick_dtype(device)
@@ -645,13 +648,17 @@ def _precision_rows(ctx: Context) -> list[CheckRow]:
     cannot = {f"compute_dtype {name}": f"does not run on {device}" for name in COMPUTE_DTYPES if name not in compute}
     runs = [f"auto → {str(pick.dtype).removeprefix('torch.')} ({pick.reason})", "weight_dtype fp32/fp16/bf16/fp8 (fp8 stored, upcast per layer)",
             f"compute_dtype {'/'.join(compute)}", "channels_last"]
+    if fp8_matmul_supported(device):
+        runs.append(f"compute_dtype {FP8_MATMUL} (with weight_dtype fp8_e4m3fn)")
+    else:
+        cannot[f"compute_dtype {FP8_MATMUL}"] = f"torch._scaled_mm does not run on {device}"
     tf32 = torch.cuda.get_device_capability(device)[0] >= 8 if device.type == "cuda" else False
     if tf32:
         runs.append("tf32")
     else:
         cannot["tf32"] = "a CUDA setting of Ampere and newer GPUs: no effect here"
     tried = "optim.precision: pick_dtype (auto) and compute_supported per compute dtype"
-    precision = _node_row("sdopt Precision", runs, cannot, "use the modes listed as running; the others need an NVIDIA GPU (tf32: Ampere or newer)", tried)
+    precision = _node_row("sdopt Precision", runs, cannot, "use the modes listed as running; the others need an NVIDIA GPU (tf32: Ampere or newer; fp8_matmul: compute capability 8.9 or newer)", tried)
     vae_cannot = {k: v for k, v in cannot.items() if k.startswith("compute_dtype")}
     vae = _node_row("sdopt VAE Precision", [f"auto → {str(pick.dtype).removeprefix('torch.')}", f"dtype {'/'.join(compute)}", "nan_guard"],
                     {k.replace("compute_dtype", "dtype"): v for k, v in vae_cannot.items()},

@@ -47,7 +47,7 @@ def test_step_caches_give_their_difference_from_the_uncached_twin_unjudged(rows)
         assert row.within_tolerance is None and row.psnr_vs_eager_db is not None and row.psnr_vs_eager_db > 0
     assert "1 of 3 calls ran the whole UNet, 2 reused deep features" in cache.notes
     assert cache.max_pixel_diff_vs_eager > 0, "reused deep features change the image of a 3-step run"
-    assert "dB (cached: not held to the tolerance; attention)" in speed_table(rows)
+    assert "dB (approximate by design: not held to the tolerance; attention)" in speed_table(rows)
 
 
 def test_each_rung_has_a_step_profile_beside_its_steady_step(rows):
