@@ -130,6 +130,8 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
                         {**common, "model": model, **speed, "rungs": CACHES, "skip_rungs": skip_rungs(CACHES)}))
     if dry_run:
         phases[4] = replace(phases[4], skip="left out of the dry run: generating and loading an SDXL checkpoint takes minutes on a CPU")
+        phases[8] = replace(phases[8], skip="left out of the dry run: phase 8's runner and stacks at another cap (phase 10 runs "
+                                            "the sequential-offload stack)")
     elif not _sdxl_known(sdxl_model):
         phases[4] = replace(phases[4], skip=f"bench speed has no {sdxl_model} model yet (the generated models are listed by `python -m sdopt make-model -h`)")
     return phases

@@ -78,6 +78,7 @@ def test_dry_run_is_the_same_plan_at_tiny_sizes_and_says_what_it_leaves_out(sdxl
     assert max(max(p.options.get("sizes", [0])) for p in dry) <= 256
     assert named["attention"].options["device"] == "cpu" and named["vae"].options["model"] == "tiny"
     assert named["speed-sdxl"].skip and "dry run" in named["speed-sdxl"].skip
+    assert named["res-4gib"].skip and "dry run" in named["res-4gib"].skip and not named["res-2gib"].skip
     assert plan_phases(model="full", dry_run=True)[2].options["model"] == "full"
 
 
