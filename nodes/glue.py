@@ -368,13 +368,13 @@ def model_family(model) -> ModelFamily:
     return ModelFamily(family_of_config_class(config_class), config_class.__name__)
 
 
-
 def inference_dtypes(model) -> tuple[torch.dtype, ...] | None:
     """The dtypes ComfyUI runs this model in, its preferred first (``supported_inference_dtypes``);
     None where its config does not say."""
     config = _static(model.model, "model_config")
     dtypes = getattr(config, "supported_inference_dtypes", None)
     return tuple(dtypes) if dtypes else None
+
 
 # --- what this ComfyUI offers: its version, dynamic VRAM ---------------------------------------------
 

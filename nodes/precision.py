@@ -10,12 +10,12 @@ Channels-last converts the 4-D (conv) weights:
 with NCHW weights a channels-last activation would make every convolution convert its weight on
 each call. TF32 is process-wide, so it is scoped to each sampling run by an OUTER_SAMPLE wrapper.
 """
-import torch
-
 import functools
 
+import torch
+
 from ..optim.precision import (AUTO, COMPUTE_DTYPES, FP8_MATMUL, WEIGHT_DTYPES, PrecisionConfig, converted_copy, dtype_name, fp8_linear,
-                               pick_dtype, plan_precision, tf32_scope, weight_bytes)
+                               fp8_linear_fits, pick_dtype, plan_precision, tf32_scope, weight_bytes)
 from ..measure.profiler import format_mib
 from . import glue
 from .glue import DEFAULT
@@ -28,18 +28,17 @@ def _fp8_forward(module: torch.nn.Module, compute_dtype: torch.dtype, x: torch.T
     if args or kwargs or getattr(module, "weight_function", None) or getattr(module, "bias_function", None) \
             or module.weight.device != x.device:
         return plain(module, x, *args, **kwargs)
-    out = fp8_linear(x, module.weight, module.bias, compute_dtype)
-    return plain(module, x) if out is None else out.to(x.dtype)
+    return fp8_linear(x, module.weight, module.bias, compute_dtype).to(x.dtype)
 
 
 def _multiply_in_fp8(diffusion_model: torch.nn.Module, compute_dtype: torch.dtype) -> tuple[int, int]:
-    """Point every fp8 e4m3 Linear of ``diffusion_model`` (a private copy) at ``fp8_linear``:
-    (layers whose widths ``_scaled_mm`` takes, Linear layers in all)."""
+    """Point every fp8 e4m3 Linear of ``diffusion_model`` (a private copy) whose widths ``fp8_linear``
+    takes at it: (those layers, fp8 e4m3 Linear layers in all)."""
     linears = [m for m in diffusion_model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float8_e4m3fn]
-    for module in linears:
+    fitting = [m for m in linears if fp8_linear_fits(m.in_features, m.out_features)]
+    for module in fitting:
         module.forward = functools.partial(_fp8_forward, module, compute_dtype)
-    fitting = sum(1 for m in linears if m.in_features % 16 == 0 and m.out_features % 16 == 0)
-    return fitting, len(linears)
+    return len(fitting), len(linears)
 
 
 def _tf32_sampling(executor, *args, **kwargs):

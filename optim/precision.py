@@ -97,14 +97,19 @@ def compute_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     return _computes(str(torch.device(device)), dtype)
 
 
+def fp8_linear_fits(features: int, outputs: int) -> bool:
+    """Whether ``fp8_linear`` multiplies a layer of these widths in fp8: ``_scaled_mm`` wants multiples of 16."""
+    return features % 16 == 0 and outputs % 16 == 0
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
     """``x @ weight.T + bias`` with ``weight`` stored fp8 e4m3 (scale 1, as ComfyUI stores fp8 and
     patches LoRAs into it) and ``x`` quantized to e4m3 with one scale per call (its largest magnitude
     at ``E4M3_MAX``, where ComfyUI's fp8 fast path clamps at it), multiplied by ``torch._scaled_mm``
-    into ``out_dtype``. None where the layer's widths are not multiples of 16, which ``_scaled_mm``
-    needs (the caller computes it as before); the rows are padded to one."""
+    into ``out_dtype``. None where ``fp8_linear_fits`` says no (the caller computes it as before); the
+    rows are padded to a multiple of 16."""
     features, outputs = x.shape[-1], weight.shape[0]
-    if features % 16 or outputs % 16:
+    if not fp8_linear_fits(features, outputs):
         return None
     rows = x.reshape(-1, features)
     padded = -rows.shape[0] % 16

@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..families import family_of_config_class
 from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table
 from ..measure.step_profile import profile_device
@@ -159,8 +158,9 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
 
     # a transformer (a family with block groups) caches with first_block, which regional compile
     # runs beside; a UNet with DeepCache, which compile and CUDA graphs capture
-    family = family_of_config_class(type(base.model.model_config))
-    transformer = bool(family and family.block_groups)
+    from ..nodes.step_cache import block_groups
+
+    transformer = bool(block_groups(base))
     cache_mode = "first_block" if transformer else "deepcache"
     cache_nodes = "StepCache(first_block, threshold 0.08)" if transformer else "StepCache(deepcache, interval 3)"
 
