@@ -47,6 +47,7 @@ import shutil
 import time
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -418,6 +419,20 @@ def with_private_code(fn: types.FunctionType) -> types.FunctionType:
     return copy
 
 
+def release_compiled_code(codes: tuple[types.CodeType, ...]) -> None:
+    """Drop what dynamo keeps for ``codes`` (private code objects of a compiled model that is gone):
+    their compiled entries, and with them the graphs and the globals dynamo installed for them.
+    The entries live in the code objects' extra state, which the garbage collector does not see,
+    and they hold the code objects alive in turn, so without this every compiled model's graphs
+    stay in the process for good."""
+    from torch._C._dynamo.eval_frame import reset_code
+    from torch._dynamo.utils import guard_failures
+
+    for code in codes:
+        reset_code(code)
+        guard_failures.pop(code, None)
+
+
 def recompile_limit() -> int:
     from torch._dynamo import config
 
@@ -567,6 +582,8 @@ class CompiledForward:
                     self._codes += (own.__code__,)
                     shared[type(block)] = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
             self._block_forwards = [(block, shared[type(block)]) for block in self.blocks]
+        if self._codes:
+            weakref.finalize(self, release_compiled_code, self._codes)
 
     def __call__(self, *inputs):
         signature = input_signature(inputs)

@@ -5,12 +5,14 @@ reasons, regional blocks past torch's default limit, and the persistent artifact
 Tolerances: the eager and aot_eager backends run the same kernels, so they match exactly up to
 float32 reordering (2e-5); inductor fuses and reorders reductions (1e-4 relative on fp32).
 """
+import gc
 import logging
 import os
 import shutil
 import time
 import timeit
 import types
+import weakref
 
 import pytest
 import torch
@@ -333,6 +335,31 @@ def test_forwards_over_one_function_keep_their_own_entries_limit_and_reasons():
         assert b.stats.cache_entries == 1 and not b.stats.eager_signatures
     assert b.stats.recompile_reasons == [], "the other forward's guard failures are not this one's"
     assert a.stats.recompile_reasons and all("\n" not in reason for reason in a.stats.recompile_reasons)
+
+
+def _live_graph_modules() -> int:
+    gc.collect()
+    return sum(issubclass(type(o), torch.fx.GraphModule) for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("mode", ["compile", "compile_regional"])
+@torch.inference_mode()
+def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
+    """Dynamo keeps a compiled code object's graphs in the code's extra state, out of the garbage
+    collector's sight; a server that compiles model after model must not keep every one's graphs."""
+    def compile_and_drop():
+        net = Widening()
+        forward = compile_forward(net, lambda m, x: m(x), CompileConfig(mode, backend="eager"))
+        x = torch.randn(2, 4)
+        forward(x), forward(x)
+        assert forward.stats.compilations, "the compiled call ran"
+        return weakref.ref(net)
+
+    compile_and_drop()
+    after_one = _live_graph_modules()
+    models = [compile_and_drop() for _ in range(3)]
+    assert all(model() is None for model in models)
+    assert _live_graph_modules() <= after_one, "each compiled model left its graphs in the process"
 
 
 class Widening(torch.nn.Module):
