@@ -583,7 +583,7 @@ class CompiledForward:
                     shared[type(block)] = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
             self._block_forwards = [(block, shared[type(block)]) for block in self.blocks]
         if self._codes:
-            weakref.finalize(self, release_compiled_code, self._codes)
+            weakref.finalize(self, release_compiled_code, self._codes).atexit = False  # an exiting process frees it all
 
     def __call__(self, *inputs):
         signature = input_signature(inputs)
