@@ -341,6 +341,7 @@ def accounted(stats: CompileStats, codes: tuple[types.CodeType, ...] = ()):
     """Attribute the compilations that happen inside to ``stats``, the guard failures of ``codes``
     (the compiled code objects) to its recompile reasons, and what torch gave up on to its
     graph breaks and eager functions."""
+    sweep_dead_guards()
     _install_callbacks()
     before = len(_guard_failures(codes))
     _harvest_metrics(None)
@@ -419,18 +420,48 @@ def with_private_code(fn: types.FunctionType) -> types.FunctionType:
     return copy
 
 
+_released = False  # whether a compiled model went since the last sweep of its guards' finalizers
+
+
 def release_compiled_code(codes: tuple[types.CodeType, ...]) -> None:
     """Drop what dynamo keeps for ``codes`` (private code objects of a compiled model that is gone):
     their compiled entries, and with them the graphs and the globals dynamo installed for them.
     The entries live in the code objects' extra state, which the garbage collector does not see,
     and they hold the code objects alive in turn, so without this every compiled model's graphs
-    stay in the process for good."""
+    stay in the process for good. Their guards go at the next ``sweep_dead_guards``: this may run
+    inside any allocation, even in the middle of a compile."""
+    global _released
     from torch._C._dynamo.eval_frame import reset_code
     from torch._dynamo.utils import guard_failures
 
     for code in codes:
         reset_code(code)
         guard_failures.pop(code, None)
+    _released = True
+
+
+def sweep_dead_guards() -> None:
+    """Detach the finalizers that keep the guards of dropped compiled entries alive. Dynamo puts a
+    ``weakref.finalize`` on every object a guard matches by identity (classes, modules, functions
+    that live as long as the process) to invalidate the guard's entry should the object go; once
+    the entry is gone the callback does nothing but hold the guards (some 15 MiB per compiled UNet).
+    Only between compiles (under dynamo's compile lock, never inside a compiled call), where no
+    guard is half built; nothing on a torch whose guards are kept otherwise."""
+    global _released
+    if not _released or _running:
+        return
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+        from torch._dynamo.guards import CheckFunctionManager
+    except ImportError:
+        return
+    with compile_lock:
+        _released = False
+        for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+            manager = getattr(getattr(info, "func", None), "func", None)
+            manager = getattr(manager, "__self__", None)
+            if type(manager) is CheckFunctionManager and getattr(manager.guard_manager, "cache_entry", True) is None:
+                finalizer.detach()
 
 
 def recompile_limit() -> int:

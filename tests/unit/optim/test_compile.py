@@ -337,16 +337,19 @@ def test_forwards_over_one_function_keep_their_own_entries_limit_and_reasons():
     assert a.stats.recompile_reasons and all("\n" not in reason for reason in a.stats.recompile_reasons)
 
 
-def _live_graph_modules() -> int:
+def _live(kind: type) -> int:
     gc.collect()
-    return sum(issubclass(type(o), torch.fx.GraphModule) for o in gc.get_objects())
+    return sum(issubclass(type(o), kind) for o in gc.get_objects())
 
 
 @pytest.mark.parametrize("mode", ["compile", "compile_regional"])
 @torch.inference_mode()
 def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
     """Dynamo keeps a compiled code object's graphs in the code's extra state, out of the garbage
-    collector's sight; a server that compiles model after model must not keep every one's graphs."""
+    collector's sight, and its guards alive through finalizers on long-lived objects; a server that
+    compiles model after model must keep neither for every model."""
+    from torch._dynamo.guards import CheckFunctionManager
+
     def compile_and_drop():
         net = Widening()
         forward = compile_forward(net, lambda m, x: m(x), CompileConfig(mode, backend="eager"))
@@ -356,10 +359,11 @@ def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
         return weakref.ref(net)
 
     compile_and_drop()
-    after_one = _live_graph_modules()
+    graphs, guards = _live(torch.fx.GraphModule), _live(CheckFunctionManager)
     models = [compile_and_drop() for _ in range(3)]
     assert all(model() is None for model in models)
-    assert _live_graph_modules() <= after_one, "each compiled model left its graphs in the process"
+    assert _live(torch.fx.GraphModule) <= graphs, "each compiled model left its graphs in the process"
+    assert _live(CheckFunctionManager) <= guards, "each compiled model left its guards in the process"
 
 
 class Widening(torch.nn.Module):
