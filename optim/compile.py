@@ -10,8 +10,9 @@ once, and every other change runs the cached code. Weights stay inputs in every 
   instances (their ``forward`` is bound to the compiled one only while the call runs); instances
   differ in shape and in the per-block numbers ComfyUI passes along, so unless ``dynamic`` is set
   those become dynamic on the first difference (torch's automatic dynamic), not one compile each;
-- ``trace``: one trace per input signature; replaced weights are rebound into the trace, and with
-  ``freeze`` (weights folded in as constants) the trace is redone, which the stats say.
+- ``trace``: one trace per input signature, taking the weights as inputs, so replaced weights need
+  no new trace; with ``freeze`` (weights folded in as constants) the trace is redone, which the
+  stats say.
 
 The first call of each input signature runs eagerly, so lazy set-up in the module stays out of the
 compiled code. Each ``CompiledForward`` compiles a private copy of its function's code: dynamo keeps
@@ -531,14 +532,6 @@ def _named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
-def _rebind(script_module, name: str, value: torch.Tensor) -> None:
-    owner, _, leaf = name.rpartition(".")
-    target = script_module.module
-    for part in owner.split(".") if owner else ():
-        target = getattr(target, part)
-    setattr(target, leaf, value)
-
-
 _compiled_models = itertools.count(1)
 # On a CPU compiled code can be slower than eager (small inputs, weight layout copies per call): each
 # input signature, once compiled, is timed eagerly once and compiled TRIAL_CALLS times, and runs
@@ -594,7 +587,7 @@ class CompiledForward:
         # where torch shares what a graph break leaves outside between compiled models
         self._watched: set = set()
         self._trials: dict[tuple, SpeedTrial] = {}  # CPU signatures compiled and not yet timed against eager
-        self.traces: OrderedDict[tuple, tuple[torch.jit.ScriptModule, dict]] = OrderedDict()
+        self.traces: OrderedDict[tuple, tuple[Callable, dict]] = OrderedDict()
         self._codes: tuple[types.CodeType, ...] = ()
         if config.mode == "compile":
 
@@ -683,35 +676,53 @@ class CompiledForward:
             for block, _ in self._block_forwards:
                 del block.forward
 
-    def _traced(self, inputs: tuple):
+    def _traced(self, inputs: tuple) -> Callable:
+        """The trace of ``inputs``' signature, ready to take the tensor inputs. Unfrozen, the trace
+        takes the module's weights as inputs too, so new weights need no rebinding; it is a function
+        in a compilation unit of its own, which goes with it (a traced module's types stay in
+        TorchScript's process-wide unit for good: some 40 MiB per traced UNet)."""
         signature = input_signature(inputs)
         state = _named_state(self.module)
         if signature in self.traces:
             traced, bound = self.traces[signature]
             self.traces.move_to_end(signature)
-            changed = [name for name, value in state.items() if bound.get(name) is not value]
+            changed = state.keys() != bound.keys() or any(bound[name] is not value for name, value in state.items())
             if not changed:
-                return traced
-            if not self.config.freeze:
-                for name in changed:
-                    _rebind(traced, name, state[name])
-                    bound[name] = state[name]
+                return traced if self.config.freeze else functools.partial(traced, *state.values())
+            if not self.config.freeze and state.keys() == bound.keys():
+                self.traces[signature] = (traced, state)
                 self.stats.weight_rebinds += 1
-                return traced
-            self.stats.recompile_reasons.append("weights changed and a frozen trace holds them as constants")
+                return functools.partial(traced, *state.values())
+            self.stats.recompile_reasons.append("weights changed and a frozen trace holds them as constants" if self.config.freeze
+                                                else "the module's weights are not the ones it was traced with")
         started = time.perf_counter()
+        traceable = _Traceable(self.module, self.call, inputs)
+        tensors = tuple(t for t in inputs if t is not None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            tensors = tuple(t for t in inputs if t is not None)
-            traced = torch.jit.trace(_Traceable(self.module, self.call, inputs), tensors, check_trace=False)
             if self.config.freeze:
-                traced = torch.jit.optimize_for_inference(torch.jit.freeze(traced.eval()))
+                traced = torch.jit.optimize_for_inference(torch.jit.freeze(torch.jit.trace(traceable, tensors, check_trace=False).eval()))
+            else:
+                traced = _trace_with_weights_as_inputs(traceable, tuple(state.values()), tensors)
         self.stats.compilations += 1
         self.stats.compile_seconds += time.perf_counter() - started
         self.traces[signature] = (traced, state)
         while len(self.traces) > self.config.max_traces:
             self.traces.popitem(last=False)
-        return traced
+        return traced if self.config.freeze else functools.partial(traced, *state.values())
+
+
+def _trace_with_weights_as_inputs(traceable: _Traceable, weights: tuple, tensors: tuple):
+    """``traceable`` traced as a function of its module's ``weights`` and then its tensors: the
+    tracer records each use of a tensor it was given as an input as a use of that input, so the
+    weights' reads become inputs, not constants."""
+    count = len(weights)
+
+    def with_weights(*weights_then_tensors):
+        return traceable(*weights_then_tensors[count:])
+
+    return torch.jit.trace(with_weights, (*weights, *tensors), check_trace=False,
+                           _compilation_unit=torch._C.CompilationUnit(), _store_inputs=False)
 
 
 def compile_forward(module: torch.nn.Module, call: Callable, config: CompileConfig = CompileConfig()) -> CompiledForward:

@@ -342,12 +342,13 @@ def _live(kind: type) -> int:
     return sum(issubclass(type(o), kind) for o in gc.get_objects())
 
 
-@pytest.mark.parametrize("mode", ["compile", "compile_regional"])
+@pytest.mark.parametrize("mode", ["compile", "compile_regional", "trace"])
 @torch.inference_mode()
 def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
     """Dynamo keeps a compiled code object's graphs in the code's extra state, out of the garbage
-    collector's sight, and its guards alive through finalizers on long-lived objects; a server that
-    compiles model after model must keep neither for every model."""
+    collector's sight, and its guards alive through finalizers on long-lived objects; a traced module
+    puts a type per submodule into TorchScript's process-wide unit. A server that compiles model
+    after model must keep none of these for every model."""
     from torch._dynamo.guards import CheckFunctionManager
 
     def compile_and_drop():
@@ -359,11 +360,12 @@ def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
         return weakref.ref(net)
 
     compile_and_drop()
-    graphs, guards = _live(torch.fx.GraphModule), _live(CheckFunctionManager)
+    graphs, guards, types_ = _live(torch.fx.GraphModule), _live(CheckFunctionManager), _live(type)
     models = [compile_and_drop() for _ in range(3)]
     assert all(model() is None for model in models)
     assert _live(torch.fx.GraphModule) <= graphs, "each compiled model left its graphs in the process"
     assert _live(CheckFunctionManager) <= guards, "each compiled model left its guards in the process"
+    assert _live(type) <= types_, "each traced model left TorchScript types (one per submodule) in the process"
 
 
 class Widening(torch.nn.Module):
