@@ -459,8 +459,7 @@ def sweep_dead_guards() -> None:
     with compile_lock:
         _released = False
         for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
-            manager = getattr(getattr(info, "func", None), "func", None)
-            manager = getattr(manager, "__self__", None)
+            manager = getattr(getattr(getattr(info, "func", None), "func", None), "__self__", None)  # partial(manager.invalidate, …)
             if type(manager) is CheckFunctionManager and getattr(manager.guard_manager, "cache_entry", True) is None:
                 finalizer.detach()
 
@@ -683,18 +682,19 @@ class CompiledForward:
         TorchScript's process-wide unit for good: some 40 MiB per traced UNet)."""
         signature = input_signature(inputs)
         state = _named_state(self.module)
+        ready = (lambda traced: traced) if self.config.freeze else (lambda traced: functools.partial(traced, *state.values()))
         if signature in self.traces:
             traced, bound = self.traces[signature]
             self.traces.move_to_end(signature)
-            changed = state.keys() != bound.keys() or any(bound[name] is not value for name, value in state.items())
-            if not changed:
-                return traced if self.config.freeze else functools.partial(traced, *state.values())
-            if not self.config.freeze and state.keys() == bound.keys():
+            same_names = state.keys() == bound.keys()
+            if same_names and all(bound[name] is value for name, value in state.items()):
+                return ready(traced)
+            if same_names and not self.config.freeze:
                 self.traces[signature] = (traced, state)
                 self.stats.weight_rebinds += 1
-                return functools.partial(traced, *state.values())
+                return ready(traced)
             self.stats.recompile_reasons.append("weights changed and a frozen trace holds them as constants" if self.config.freeze
-                                                else "the module's weights are not the ones it was traced with")
+                                                else "the module's weights are named otherwise than when it was traced")
         started = time.perf_counter()
         traceable = _Traceable(self.module, self.call, inputs)
         tensors = tuple(t for t in inputs if t is not None)
@@ -709,7 +709,7 @@ class CompiledForward:
         self.traces[signature] = (traced, state)
         while len(self.traces) > self.config.max_traces:
             self.traces.popitem(last=False)
-        return traced if self.config.freeze else functools.partial(traced, *state.values())
+        return ready(traced)
 
 
 def _trace_with_weights_as_inputs(traceable: _Traceable, weights: tuple, tensors: tuple):
