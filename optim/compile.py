@@ -678,8 +678,9 @@ class CompiledForward:
     def _traced(self, inputs: tuple) -> Callable:
         """The trace of ``inputs``' signature, ready to take the tensor inputs. Unfrozen, the trace
         takes the module's weights as inputs too, so new weights need no rebinding; it is a function
-        in a compilation unit of its own, which goes with it (a traced module's types stay in
-        TorchScript's process-wide unit for good: some 40 MiB per traced UNet)."""
+        in a compilation unit of its own, which goes with it (a traced module's types, or a function
+        traced by ``torch.jit.trace``, stay in TorchScript's process-wide unit for good: some 40 MiB
+        per traced UNet)."""
         signature = input_signature(inputs)
         state = _named_state(self.module)
         ready = (lambda traced: traced) if self.config.freeze else (lambda traced: functools.partial(traced, *state.values()))
@@ -715,14 +716,17 @@ class CompiledForward:
 def _trace_with_weights_as_inputs(traceable: _Traceable, weights: tuple, tensors: tuple):
     """``traceable`` traced as a function of its module's ``weights`` and then its tensors: the
     tracer records each use of a tensor it was given as an input as a use of that input, so the
-    weights' reads become inputs, not constants."""
+    weights' reads become inputs, not constants. The function lives in a compilation unit of its
+    own, which goes when the trace does: ``torch.jit.trace`` puts a traced function into
+    TorchScript's process-wide unit for good (its ``_compilation_unit`` serves modules only)."""
     count = len(weights)
 
     def with_weights(*weights_then_tensors):
         return traceable(*weights_then_tensors[count:])
 
-    return torch.jit.trace(with_weights, (*weights, *tensors), check_trace=False,
-                           _compilation_unit=torch._C.CompilationUnit(), _store_inputs=False)
+    graph, _ = torch._C._create_graph_by_tracing(with_weights, [*weights, *tensors], torch.jit._trace._create_interpreter_name_lookup_fn(),
+                                                 True, False)
+    return torch._C.CompilationUnit().create_function("sdopt_trace", graph, False)
 
 
 def compile_forward(module: torch.nn.Module, call: Callable, config: CompileConfig = CompileConfig()) -> CompiledForward:

@@ -347,8 +347,8 @@ def _live(kind: type) -> int:
 def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
     """Dynamo keeps a compiled code object's graphs in the code's extra state, out of the garbage
     collector's sight, and its guards alive through finalizers on long-lived objects; a traced module
-    puts a type per submodule into TorchScript's process-wide unit. A server that compiles model
-    after model must keep none of these for every model."""
+    puts a type per submodule, and a traced function itself, into TorchScript's process-wide unit. A
+    server that compiles model after model must keep none of these for every model."""
     from torch._dynamo.guards import CheckFunctionManager
 
     def compile_and_drop():
@@ -361,11 +361,13 @@ def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
 
     compile_and_drop()
     graphs, guards, types_ = _live(torch.fx.GraphModule), _live(CheckFunctionManager), _live(type)
+    script_functions = len(torch.jit._state._python_cu.get_functions())
     models = [compile_and_drop() for _ in range(3)]
     assert all(model() is None for model in models)
     assert _live(torch.fx.GraphModule) <= graphs, "each compiled model left its graphs in the process"
     assert _live(CheckFunctionManager) <= guards, "each compiled model left its guards in the process"
     assert _live(type) <= types_, "each traced model left TorchScript types (one per submodule) in the process"
+    assert len(torch.jit._state._python_cu.get_functions()) <= script_functions, "each trace left its graph in TorchScript's unit"
 
 
 class Widening(torch.nn.Module):
