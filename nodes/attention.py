@@ -87,7 +87,7 @@ class SDOptAttention:
 
     def patch(self, model, backend, on_unavailable, slice_size, memory_budget_mb):
         glue.check_inputs(SDOptAttention, backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_mb=memory_budget_mb)
-        m = model.clone()
+        m = glue.patched_clone(model, NODE)
         if not hasattr(glue.comfy_attention(), "wrap_attn"):
             glue.fall_back_or_raise(on_unavailable, NO_OVERRIDE, "run ComfyUI's own attention")
             glue.record_model(m, NODE, backend, "ComfyUI default", "fallback: this ComfyUI has no per-model attention override (0.3.60+)",

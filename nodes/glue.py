@@ -2,6 +2,8 @@
 
 - **Keyed wrappers**: ``patched_clone`` clones a model and sets one node's wrappers under its key,
   removing that key's earlier wrappers first, so a node chained twice replaces, never stacks.
+- **Freed host memory**: every model and VAE an sdopt node returns hands the C heap's free pages back
+  to the OS after each sampling run and each outermost decode/encode (``optim.heap_trim``).
 - **Records**: ``record_model``/``record_vae`` file a node's record on the clone or VAE copy it
   returns; the profiler copies a model's records into each run, and a patched VAE files its own
   into the prompt on every decode/encode, so records survive nodes that ComfyUI serves from cache.
@@ -36,6 +38,7 @@ from ..errors import Unavailable, UserError
 from ..families import SD15, DiffusionCall, Family, family_of_config_class
 from ..measure.profiler import active_run
 from ..measure.record import record
+from ..optim.heap_trim import trim_heap
 from .prompt_context import _filing_records
 
 RECORDS_KEY = "sdopt_optimizations"
@@ -84,14 +87,26 @@ def wrapper_types():
     return comfy.patcher_extension.WrappersMP
 
 
+HEAP_TRIM_KEY = "sdopt.heap_trim"
+
+
+def _trimming_heap_after(executor, *args, **kwargs):
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        trim_heap()
+
+
 def set_wrappers(model, key: str, wrappers: dict[str, Callable]) -> None:
-    """Make ``wrappers`` ({WrappersMP attribute name: fn}) the only ones of ``key`` on ``model``."""
+    """Make ``wrappers`` ({WrappersMP attribute name: fn}) the only ones of ``key`` on ``model``, and
+    have every sampling run of ``model`` end by handing freed host memory back to the OS."""
     kinds = wrapper_types()
-    for name in dir(kinds):
-        if name.isupper():
-            model.remove_wrappers_with_key(getattr(kinds, name), key)
-    for name, fn in wrappers.items():
-        model.add_wrapper_with_key(getattr(kinds, name), key, fn)
+    for wrapped_key, wrapping in ((key, wrappers), (HEAP_TRIM_KEY, {"OUTER_SAMPLE": _trimming_heap_after})):
+        for name in dir(kinds):
+            if name.isupper():
+                model.remove_wrappers_with_key(getattr(kinds, name), wrapped_key)
+        for name, fn in wrapping.items():
+            model.add_wrapper_with_key(getattr(kinds, name), wrapped_key, fn)
 
 
 def patched_clone(model, key: str, wrappers: dict[str, Callable] | None = None):
@@ -322,8 +337,27 @@ def wrap_vae_methods(vae, wrap: Callable[[str, Callable], Callable]):
     for name in VAE_METHODS:
         method = getattr(vae, name, None)
         if method is not None:
-            setattr(patched, name, types.MethodType(_filing_records(wrap(name, method.__func__)), patched))
+            setattr(patched, name, types.MethodType(_trimming_heap_when_outermost(_filing_records(wrap(name, method.__func__))), patched))
     return patched
+
+
+_vae_calls_open = 0
+
+
+def _trimming_heap_when_outermost(fn: Callable) -> Callable:
+    """``fn`` handing freed host memory back to the OS when it returns, unless it ran inside another
+    sdopt VAE wrapper (chained VAE nodes nest; the outermost trims once)."""
+    def call(self, *args, **kwargs):
+        global _vae_calls_open
+        _vae_calls_open += 1
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            _vae_calls_open -= 1
+            if not _vae_calls_open:
+                trim_heap()
+
+    return call
 
 
 # --- the model's family ------------------------------------------------------------------------------

@@ -9,8 +9,6 @@ only the call's own temporaries and output count.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from dataclasses import asdict, dataclass
 
 import torch
@@ -20,6 +18,7 @@ from ..measure.profiler import MEMORY_LABELS, MEMORY_RAM, PeakMemory, format_mib
 from ..measure.report import markdown_table
 from ..optim.attention import AttentionConfig, available, backend_function, backend_names, get_backend
 from ..optim.attention_auto import check_against_naive, time_attention
+from ..optim.heap_trim import trim_heap
 from ..optim.precision import COMPUTE_DTYPES, DTYPES
 from .progress import progress_bar
 
@@ -169,12 +168,3 @@ def parse_device(device: str) -> torch.device:
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise UserError("CUDA is not available here; use --device cpu")
     return parsed
-
-
-def trim_heap() -> None:
-    """Hand free heap memory back to the OS (glibc ``malloc_trim``; nothing elsewhere), so that RSS
-    counts what is live."""
-    libc_name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(libc_name) if libc_name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)

@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..families import MODEL_NAMES, family_of_config_class, model_name_of_file, resolve_model
 from ..measure.profiler import MEMORY_LABELS, PeakMemory, Timeline, format_mib, proc_status_bytes
 from ..measure.report import markdown_table
-from .bench_attention import trim_heap
+from ..optim.heap_trim import trim_heap
 from .modelgen import ensure_checkpoint, text_encoder_path
 from .progress import progress_bar
 

@@ -27,7 +27,7 @@ from ..errors import UserError
 from ..families import MODEL_NAMES, checkpoint_config, resolve_model
 from ..measure.profiler import format_mib, peak_rss_growth
 from ..measure.report import markdown_table
-from .bench_attention import trim_heap
+from ..optim.heap_trim import trim_heap
 from .modelgen import diffusers_vae_config, generate_tensor, vae_ldm_specs
 from .progress import progress_bar
 

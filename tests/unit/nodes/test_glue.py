@@ -448,6 +448,31 @@ def test_set_wrappers_in_place_twice(patcher_extension):
         glue.set_wrappers(model, "K", {"NO_SUCH_TYPE": repr})
 
 
+def test_every_patched_model_trims_the_heap_once_after_each_sampling_run(patcher_extension, monkeypatch):
+    trims = []
+    monkeypatch.setattr(glue, "trim_heap", lambda: trims.append("trim"))
+    first = glue.patched_clone(WrappedPatcher(), "A", {"APPLY_MODEL": repr})
+    second = glue.patched_clone(first, "B")
+    (outer,) = keyed_wrappers(second, glue.HEAP_TRIM_KEY)["outer_sample"]
+    assert keyed_wrappers(second, glue.HEAP_TRIM_KEY) == {"outer_sample": [outer]}, "chained nodes install it once"
+
+    def sampling(*args):
+        trims.append("sampled")
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        outer(sampling, "noise")
+    assert trims == ["sampled", "trim"], "after the run, failed or not"
+
+
+def test_the_outermost_vae_wrapper_trims_the_heap_once_per_call(prompts, monkeypatch):
+    trims, log = [], []
+    monkeypatch.setattr(glue, "trim_heap", lambda: trims.append(len(log)))
+    second = glue.wrap_vae_methods(glue.wrap_vae_methods(FakeVAE(), _tracing(log, "first")), _tracing(log, "second"))
+    second.decode(1), second.encode(2)
+    assert trims == [2, 4], "once after each call, when both wrappers are done"
+
+
 def test_records_on_models_replace_per_node():
     model = WrappedPatcher()
     glue.record_model(model, "A", "x", "y")
@@ -677,7 +702,7 @@ def _attention_model():
     return model
 
 
-def test_attention_node_records_what_ran_in_each_run(comfy_attention):
+def test_attention_node_records_what_ran_in_each_run(comfy_attention, patcher_extension):
     comfy_attention.wrap_attn = object()  # ComfyUI 0.3.60+: per-model attention override
     model = _attention_model()
     (m,) = attention_node.SDOptAttention().patch(model, "sliced", "fallback", 0, 32)
@@ -698,7 +723,7 @@ def test_attention_node_records_what_ran_in_each_run(comfy_attention):
     assert records[0]["note"] == "", "the model's own record is not changed by a run"
 
 
-def test_attention_node_auto_is_pending_until_sampling(comfy_attention):
+def test_attention_node_auto_is_pending_until_sampling(comfy_attention, patcher_extension):
     comfy_attention.wrap_attn = object()
     (m,) = attention_node.SDOptAttention().patch(_attention_model(), "auto", "fallback", 0, 32)
     (record,) = glue.model_records(m.model_options)
@@ -710,7 +735,7 @@ def test_attention_node_auto_is_pending_until_sampling(comfy_attention):
     assert ran["active"] != "auto (pending)" and "rejected: " in ran["note"] and "sdpa_efficient (sdpa_efficient needs CUDA)" in ran["note"]
 
 
-def test_attention_node_falls_back_with_a_note(comfy_attention):
+def test_attention_node_falls_back_with_a_note(comfy_attention, patcher_extension):
     comfy_attention.wrap_attn = object()
     (m,) = attention_node.SDOptAttention().patch(_attention_model(), "sdpa_efficient", "fallback", 0, 32)
     (record,) = glue.model_records(m.model_options)
@@ -720,7 +745,7 @@ def test_attention_node_falls_back_with_a_note(comfy_attention):
         attention_node.SDOptAttention().patch(_attention_model(), "sdpa_efficient", "error", 0, 32)
 
 
-def test_attention_node_on_comfyui_without_the_override(comfy_attention):
+def test_attention_node_on_comfyui_without_the_override(comfy_attention, patcher_extension):
     model = _attention_model()
     (m,) = attention_node.SDOptAttention().patch(model, "sdpa", "fallback", 0, 32)
     assert attention_node.OVERRIDE_KEY not in m.model_options["transformer_options"]
