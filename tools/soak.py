@@ -12,7 +12,8 @@ one at a time. Each prompt is a random chain drawn from ``--seed``:
 - sdopt Profile Report on the decoded image, or not;
 - a random size (64 to 128 px a side, multiples of 32), 2 steps, a random sampler, scheduler, CFG and seed.
 
-Any 5 consecutive prompts use every node listed. sdopt Doctor is left out: it runs the whole
+Any 5 consecutive prompts use every node listed, and the first two run Compile, in ``compile`` and then
+``trace`` mode, so that torch's one-time set-up of each lands in the warm-up. sdopt Doctor is left out: it runs the whole
 ``doctor`` check list, not a patch. Settings are those that run on any device; Compile uses the
 ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU,
 not the minutes of an inductor build, at the cost of not soaking inductor's generated code; VAE
@@ -82,6 +83,12 @@ def _offload(rng: random.Random) -> dict:
             "on_unavailable": "fallback"}
 
 
+COMPILE = "SDOptCompile"
+# The first prompts run Compile in each of these modes, so that torch's one-time set-up of dynamo and of
+# TorchScript (75-80 MiB each, docs/benchmarks.md) lands in the warm-up, not in the drift.
+COMPILE_MODES_FIRST = ("compile", "trace")
+
+
 def _compile(rng: random.Random) -> dict:
     return {"mode": rng.choice(("compile", "compile", "trace")), "backend": rng.choice(("aot_eager", "eager")),
             "compile_mode": "default", "dynamic": False, "fullgraph": False, "on_unavailable": "fallback"}
@@ -116,7 +123,7 @@ def _tiled_vae(rng: random.Random) -> dict:
 # MODEL path (where its tooltip says it belongs) and the Report on the decoded image.
 MODEL_NODES: dict[str, Callable[[random.Random], dict]] = {
     "SDOptPrecision": _precision, "SDOptAttention": _attention, "SDOptLowMemory": _low_memory,
-    "SDOptOffload": _offload, "SDOptCompile": _compile, "SDOptCUDAGraph": _cuda_graph, "SDOptStepCache": _step_cache,
+    "SDOptOffload": _offload, COMPILE: _compile, "SDOptCUDAGraph": _cuda_graph, "SDOptStepCache": _step_cache,
 }
 VAE_NODES: dict[str, Callable[[random.Random], dict]] = {
     "SDOptVAEPrecision": _vae_precision, "SDOptVAEAttention": _attention, "SDOptTiledVAE": _tiled_vae,
@@ -195,6 +202,8 @@ def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None]) -> So
     LoRA file (None: no LoRA). The same arguments always give the same prompt."""
     rng = random.Random(f"sdopt-soak {seed} {index}")
     forced = {name for position, name in enumerate(SOAK_NODES) if position % GROUPS == index % GROUPS}
+    if index < len(COMPILE_MODES_FIRST):
+        forced.add(COMPILE)
 
     def drawn(names) -> list[str]:
         chosen = [name for name in names if name in forced or rng.random() < PROBABILITY]
@@ -203,6 +212,9 @@ def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None]) -> So
 
     checkpoint = rng.choice(sorted(checkpoints))
     model_chain = [Link(name, MODEL_NODES[name](rng)) for name in drawn(MODEL_NODES)]
+    if index < len(COMPILE_MODES_FIRST):
+        model_chain = [Link(link.class_type, {**link.inputs, "mode": COMPILE_MODES_FIRST[index]}) if link.class_type == COMPILE else link
+                       for link in model_chain]
     lora = checkpoints[checkpoint]
     if lora and rng.random() < 0.5:
         model_chain.insert(rng.randint(0, len(model_chain)),

@@ -105,6 +105,12 @@ def test_any_five_consecutive_prompts_use_every_node_and_the_lora_comes_and_goes
     assert not any(link.class_type == LORA for p in no_lora for link in p.model_chain)
 
 
+def test_the_first_prompts_run_compile_in_each_of_its_modes():
+    modes = [[link.inputs["mode"] for link in plan_prompt(index, seed, CHECKPOINTS).model_chain if link.class_type == "SDOptCompile"]
+             for seed in (0, 1) for index in range(3)]
+    assert modes[0] == modes[3] == ["compile"] and modes[1] == modes[4] == ["trace"]
+
+
 def test_the_probe_prompt_is_stock_and_fixed(core_definitions):
     probe = probe_prompt("sdopt-mini-sd15.safetensors")
     _validate(probe, core_definitions)
