@@ -117,9 +117,11 @@ def loras(comfy_host):
 # regional compile through aot_eager: its many small graphs would take inductor a minute here; SDXL as a
 # trace: dynamo's capture of the SDXL mini took four minutes of CI, and how a LoRA reaches compiled code
 # is the same for every mode (weights are inputs, never constants); SD3.5's whole-model compile through
-# aot_eager too: its capture is what is SD3.5's own, inductor's numerics are held on SD1.5 (50 s of CI)
+# aot_eager too: its capture is what is SD3.5's own, inductor's numerics are held on SD1.5 (50 s of CI);
+# SD1.5's whole-UNet compile through aot_eager: dynamo lifts the weights to inputs before any backend
+# sees them, and inductor's code is held by the test above (40 s of CI)
 @pytest.mark.parametrize("family,mode,backend", [
-    ("sd15", "compile", "inductor"), ("sd15", "trace", "inductor"), ("sd15", "compile_regional", "aot_eager"),
+    ("sd15", "compile", "aot_eager"), ("sd15", "trace", "inductor"), ("sd15", "compile_regional", "aot_eager"),
     ("sdxl", "trace", "inductor"), ("sd35", "compile", "aot_eager"), ("sd35", "compile_regional", "aot_eager"),
     ("flux", "compile_regional", "aot_eager"),
 ])
@@ -129,9 +131,11 @@ def test_a_lora_and_its_strength_changes_are_followed_without_recompiling(reques
     lora = loras[family]
     patched = compiled(comfy_host, model, mode, backend)
     assert close(host.sample(patched), stock)
-    compilations = None
+    compilations, eager_at = None, {}
     for strength in (1.0, 0.5, 1.0):
-        eager = host.sample(comfy_host.with_lora(model, lora, strength))
+        if strength not in eager_at:
+            eager_at[strength] = host.sample(comfy_host.with_lora(model, lora, strength))
+        eager = eager_at[strength]
         assert not close(eager, stock), "the test LoRA must change the output"
         assert close(host.sample(comfy_host.with_lora(patched, lora, strength)), eager), f"strength {strength}"
         (stats,), _ = fast_path(comfy_host, patched).stats()
