@@ -12,8 +12,8 @@ one at a time. Each prompt is a random chain drawn from ``--seed``:
 - sdopt Profile Report on the decoded image, or not;
 - a random size (64 to 128 px a side, multiples of 32), 2 steps, a random sampler, scheduler, CFG and seed.
 
-Any 5 consecutive prompts use every node listed, and the first two run Compile, in ``compile`` and then
-``trace`` mode, so that torch's one-time set-up of each lands in the warm-up. sdopt Doctor is left out: it runs the whole
+Any 5 consecutive prompts use every node listed, and the first two warm-up prompts run Compile, in
+``compile`` and then ``trace`` mode, so that torch's one-time set-up of each lands in the warm-up. sdopt Doctor is left out: it runs the whole
 ``doctor`` check list, not a patch. Settings are those that run on any device; Compile uses the
 ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU,
 not the minutes of an inductor build, at the cost of not soaking inductor's generated code; VAE
@@ -84,8 +84,8 @@ def _offload(rng: random.Random) -> dict:
 
 
 COMPILE = "SDOptCompile"
-# The first prompts run Compile in each of these modes, so that torch's one-time set-up of dynamo and of
-# TorchScript (75-80 MiB each, docs/benchmarks.md) lands in the warm-up, not in the drift.
+# The first warm-up prompts run Compile in each of these modes, so that torch's one-time set-up of dynamo
+# and of TorchScript (75-80 MiB each, docs/benchmarks.md) lands in the warm-up, not in the drift.
 COMPILE_MODES_FIRST = ("compile", "trace")
 
 
@@ -197,12 +197,14 @@ class SoakPrompt:
         return prompt
 
 
-def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None]) -> SoakPrompt:
+def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None], warmup: int = DEFAULT_WARMUP) -> SoakPrompt:
     """Prompt ``index`` of the soak with ``seed``; ``checkpoints`` maps each checkpoint file to its
-    LoRA file (None: no LoRA). The same arguments always give the same prompt."""
+    LoRA file (None: no LoRA); the first ``warmup`` prompts start with Compile in each of its modes.
+    The same arguments always give the same prompt."""
+    compile_mode = COMPILE_MODES_FIRST[index] if index < min(warmup, len(COMPILE_MODES_FIRST)) else None
     rng = random.Random(f"sdopt-soak {seed} {index}")
     forced = {name for position, name in enumerate(SOAK_NODES) if position % GROUPS == index % GROUPS}
-    if index < len(COMPILE_MODES_FIRST):
+    if compile_mode:
         forced.add(COMPILE)
 
     def drawn(names) -> list[str]:
@@ -212,8 +214,8 @@ def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None]) -> So
 
     checkpoint = rng.choice(sorted(checkpoints))
     model_chain = [Link(name, MODEL_NODES[name](rng)) for name in drawn(MODEL_NODES)]
-    if index < len(COMPILE_MODES_FIRST):
-        model_chain = [Link(link.class_type, {**link.inputs, "mode": COMPILE_MODES_FIRST[index]}) if link.class_type == COMPILE else link
+    if compile_mode:
+        model_chain = [Link(link.class_type, {**link.inputs, "mode": compile_mode}) if link.class_type == COMPILE else link
                        for link in model_chain]
     lora = checkpoints[checkpoint]
     if lora and rng.random() < 0.5:
@@ -477,7 +479,7 @@ def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict,
             if index == result.warmup:
                 result.rss_warm_bytes = read_rss("warm")
                 log(f"soak: RSS {result.rss_warm_bytes / 2**20:,.0f} MiB after {index} warm-up prompts")
-            planned = plan_prompt(index, result.seed, checkpoints)
+            planned = plan_prompt(index, result.seed, checkpoints, result.warmup)
             status, seconds, error = run_one(client, planned.api_prompt(), timeout)
             alive = process.poll() is None
             outcome = PromptOutcome(index, planned.describe(), status, seconds, error, rss_bytes(process.pid) if alive else None)

@@ -119,9 +119,10 @@ def loras(comfy_host):
 # is the same for every mode (weights are inputs, never constants); SD3.5's whole-model compile through
 # aot_eager too: its capture is what is SD3.5's own, inductor's numerics are held on SD1.5 (50 s of CI);
 # SD1.5's whole-UNet compile through aot_eager: dynamo lifts the weights to inputs before any backend
-# sees them, and inductor's code is held by the test above (40 s of CI)
+# sees them, and inductor's code is held by the test above (40 s of CI); regional compile on SD3.5 and Flux,
+# whose repeated blocks are where it is meant to run (SD1.5's took 45 s of CI)
 @pytest.mark.parametrize("family,mode,backend", [
-    ("sd15", "compile", "aot_eager"), ("sd15", "trace", "inductor"), ("sd15", "compile_regional", "aot_eager"),
+    ("sd15", "compile", "aot_eager"), ("sd15", "trace", "inductor"),
     ("sdxl", "trace", "inductor"), ("sd35", "compile", "aot_eager"), ("sd35", "compile_regional", "aot_eager"),
     ("flux", "compile_regional", "aot_eager"),
 ])

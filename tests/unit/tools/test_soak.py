@@ -105,10 +105,15 @@ def test_any_five_consecutive_prompts_use_every_node_and_the_lora_comes_and_goes
     assert not any(link.class_type == LORA for p in no_lora for link in p.model_chain)
 
 
-def test_the_first_prompts_run_compile_in_each_of_its_modes():
-    modes = [[link.inputs["mode"] for link in plan_prompt(index, seed, CHECKPOINTS).model_chain if link.class_type == "SDOptCompile"]
-             for seed in (0, 1) for index in range(3)]
-    assert modes[0] == modes[3] == ["compile"] and modes[1] == modes[4] == ["trace"]
+def test_the_first_warm_up_prompts_run_compile_in_each_of_its_modes():
+    def modes(index, seed, warmup):
+        chain = plan_prompt(index, seed, CHECKPOINTS, warmup).model_chain
+        return [link.inputs["mode"] for link in chain if link.class_type == "SDOptCompile"]
+
+    for seed in (0, 1):
+        assert [modes(index, seed, 5) for index in range(2)] == [["compile"], ["trace"]]
+        assert modes(0, seed, 1) == ["compile"] and plan_prompt(1, seed, CHECKPOINTS, 1) == plan_prompt(1, seed, CHECKPOINTS, 0)
+    assert plan_prompt(0, 0, CHECKPOINTS, 0) != plan_prompt(0, 0, CHECKPOINTS, 5), "no warm-up: the prompt as drawn"
 
 
 def test_the_probe_prompt_is_stock_and_fixed(core_definitions):
