@@ -98,15 +98,18 @@ def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(comfy_host, s
 
 
 def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(unet_host, stock):
-    model, reference = stock
+    """Passed through: no step-cache wrapper and the record says why (an unwrapped model samples as
+    stock does; that costs a minute of CI on SDXL and is held by every other test's stock model)."""
+    model, _ = stock
     depth = len(model.model.diffusion_model.input_blocks)
     if depth > 11:
         pytest.skip(f"every branch the node offers fits this UNet's {depth} levels")
     with pytest.raises(Exception, match=f"branch: branch 11 is past the UNet's {depth} skip levels; choose a branch below {depth}"):
         cached(unet_host, model, branch=11, on_unavailable="error")
     passed = cached(unet_host, model, branch=11)
-    assert unet_host.fast_path.fast_path_of(passed) is None
-    assert torch.equal(unet_host.sample(passed, STEPS), reference)
+    assert unet_host.fast_path.fast_path_of(passed) is None and unet_host.wrapper_counts(passed, "SDOptStepCache") == {}
+    (record,) = [r for r in unet_host.glue.model_records(passed.model_options) if r["node"] == "SDOptStepCache"]
+    assert record["active"] == "eager" and f"branch 11 is past the UNet's {depth} skip levels" in record["note"]
 
 
 def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_not(comfy_host, sd15_stock):
