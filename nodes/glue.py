@@ -97,16 +97,20 @@ def _trimming_heap_after(executor, *args, **kwargs):
         trim_heap()
 
 
+def _replace_keyed(model, key: str, wrappers: dict[str, Callable]) -> None:
+    kinds = wrapper_types()
+    for name in dir(kinds):
+        if name.isupper():
+            model.remove_wrappers_with_key(getattr(kinds, name), key)
+    for name, fn in wrappers.items():
+        model.add_wrapper_with_key(getattr(kinds, name), key, fn)
+
+
 def set_wrappers(model, key: str, wrappers: dict[str, Callable]) -> None:
     """Make ``wrappers`` ({WrappersMP attribute name: fn}) the only ones of ``key`` on ``model``, and
     have every sampling run of ``model`` end by handing freed host memory back to the OS."""
-    kinds = wrapper_types()
-    for wrapped_key, wrapping in ((key, wrappers), (HEAP_TRIM_KEY, {"OUTER_SAMPLE": _trimming_heap_after})):
-        for name in dir(kinds):
-            if name.isupper():
-                model.remove_wrappers_with_key(getattr(kinds, name), wrapped_key)
-        for name, fn in wrapping.items():
-            model.add_wrapper_with_key(getattr(kinds, name), wrapped_key, fn)
+    _replace_keyed(model, key, wrappers)
+    _replace_keyed(model, HEAP_TRIM_KEY, {"OUTER_SAMPLE": _trimming_heap_after})
 
 
 def patched_clone(model, key: str, wrappers: dict[str, Callable] | None = None):

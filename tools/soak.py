@@ -13,12 +13,13 @@ one at a time. Each prompt is a random chain drawn from ``--seed``:
 - a random size (64 to 128 px a side, multiples of 32), 2 steps, a random sampler, scheduler, CFG and seed.
 
 Any 5 consecutive prompts use every node listed, and the first two warm-up prompts run Compile, in
-``compile`` and then ``trace`` mode, so that torch's one-time set-up of each lands in the warm-up. sdopt Doctor is left out: it runs the whole
-``doctor`` check list, not a patch. Settings are those that run on any device; Compile uses the
-``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU,
-not the minutes of an inductor build, at the cost of not soaking inductor's generated code; VAE
-Precision is never asked for bf16 explicitly (see ``_vae_precision``). On 2 shared CPU cores a prompt of
-the SD1.5 mini took a median 15 s (up to a minute), 100 prompts 29 minutes (docs/benchmarks.md).
+``compile`` and then ``trace`` mode, so that torch's one-time set-up of each lands in the warm-up.
+sdopt Doctor is left out: it runs the whole ``doctor`` check list, not a patch. Settings are those
+that run on any device; Compile uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no
+inductor), so a prompt takes seconds on a CPU, not the minutes of an inductor build, at the cost of
+not soaking inductor's generated code; VAE Precision is never asked for bf16 explicitly (see
+``_vae_precision``). On 2 shared CPU cores a prompt of the SD1.5 mini took a median 15 s (up to a
+minute), 100 prompts 29 minutes (docs/benchmarks.md).
 
 The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
 node) queued once the warm-up prompts are done and again after the last prompt, so both readings

@@ -7,6 +7,7 @@ wherever a feed-forward's hidden activations pass the budget (SD1.5's first-leve
 at 64 tokens; Flux's 12288-wide image and text MLPs; the SD3.5 mini's 1536-wide MLPs stay under it). The chunked GroupNorm and convs
 are held equal to the unchunked ones in tests/unit/optim/test_lowmem.py."""
 import contextlib
+import functools
 
 import torch
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -95,11 +96,9 @@ def test_a_lora_after_and_before_the_node_is_used_at_each_strength(lean_host):
     stock = lean_host.sample(model)
     lora, node = lean_host.lora(), lean_host.nodes["SDOptLowMemory"]()
     (patched,) = node.patch(model, 1, True, True)
-    eager_at = {}
+    eager_at = functools.cache(lambda strength: lean_host.sample(lean_host.with_lora(model, lora, strength)))
     for strength in (1.0, 0.5, 1.0):
-        if strength not in eager_at:
-            eager_at[strength] = lean_host.sample(lean_host.with_lora(model, lora, strength))
-        eager = eager_at[strength]
+        eager = eager_at(strength)
         assert not close(eager, stock), "the test LoRA must change the output"
         after = lean_host.sample(lean_host.with_lora(patched, lora, strength))
         assert close(after, eager), f"LoRA after the node, strength {strength}"

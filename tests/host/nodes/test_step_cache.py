@@ -9,6 +9,8 @@ differs from stock's (random weights: the size of that difference bounds nothing
 models), and the model the node was given is unchanged. Under Compile each kind of call (full,
 shallow) compiles once, and a LoRA downstream is used at every strength.
 """
+import functools
+
 import pytest
 import torch
 
@@ -87,11 +89,10 @@ def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(comfy_host, s
     eager_cached = cached(comfy_host, model)
     (compiled,) = comfy_host.nodes["SDOptCompile"]().patch(cached(comfy_host, model), "trace", "inductor", "default", False, False, "fallback")
     assert close(comfy_host.sample(compiled, STEPS), comfy_host.sample(eager_cached, STEPS))
-    lora, expected_at = comfy_host.lora(), {}
+    lora = comfy_host.lora()
+    expected_at = functools.cache(lambda strength: comfy_host.sample(comfy_host.with_lora(eager_cached, lora, strength), STEPS))
     for strength in (1.0, 0.5, 1.0):
-        if strength not in expected_at:
-            expected_at[strength] = comfy_host.sample(comfy_host.with_lora(eager_cached, lora, strength), STEPS)
-        expected = expected_at[strength]
+        expected = expected_at(strength)
         assert close(comfy_host.sample(comfy_host.with_lora(compiled, lora, strength), STEPS), expected), f"strength {strength}"
     compile_stats, _ = comfy_host.fast_path.fast_path_of(compiled).stats()
     assert sorted(s.compilations for s in compile_stats) == [1, 1], "one trace for the full call, one for the shallow call"
