@@ -10,10 +10,11 @@ event, as the browser does, and never builds a report of its own; it only adds a
 
 ``--vram-cap`` (``boot(..., vram_cap=...)``, applied right after ComfyUI boots, before any model
 loads) emulates a smaller GPU on a larger one: PyTorch's caching allocator may hold only
-``cap / total`` of the device, and ComfyUI's reserved VRAM grows by ``total - cap``, so that its
-planning (free memory from ``torch.cuda.mem_get_info`` minus the reserve) sees the cap.
-ComfyUI's dtype heuristics that read the device total (fp8 weights, manual casts on old cards)
-still see the whole GPU.
+``cap / total`` of the device, and ComfyUI's ``get_free_memory`` answers for the capped device as a
+GPU of the cap's size would (at most the cap less what live tensors hold), so that every plan ComfyUI
+makes from free memory (where to build a model, how much of it to load) sees the cap. ComfyUI's
+reserved VRAM stays what the user set: the nodes subtract it from free memory, as on a real card.
+ComfyUI's dtype heuristics and VRAM mode, read from the device total at start, still see the whole GPU.
 """
 from __future__ import annotations
 
@@ -56,14 +57,12 @@ _GiB = 2**30
 @dataclass(frozen=True)
 class VramCap:
     """``--vram-cap`` as planned for one device: ``total_bytes`` is None where the device is not a
-    CUDA GPU, and then the cap is ignored. ``comfy_reserved_bytes`` is what ComfyUI reserves for
-    other applications on its own, which a real GPU of the cap's size would reserve too."""
+    CUDA GPU, and then the cap is ignored."""
 
     cap_bytes: int
     device: str
     total_bytes: int | None = None
-    comfy_reserved_bytes: int = 0
-    comfy_plans_for_cap: bool = True  # False: this ComfyUI has no reserved-VRAM setting to raise
+    comfy_plans_for_cap: bool = True  # False: this ComfyUI has no get_free_memory to answer within the cap
     dynamic_vram: bool = False  # ComfyUI 0.38's dynamic VRAM maps weights past PyTorch's allocator
 
     @property
@@ -75,11 +74,6 @@ class VramCap:
         """What ``torch.cuda.set_per_process_memory_fraction`` gets."""
         return self.cap_bytes / self.total_bytes
 
-    @property
-    def reserved_bytes(self) -> int:
-        """ComfyUI's reserved VRAM under the cap: free memory minus this is what its planning sees."""
-        return self.total_bytes - self.cap_bytes + self.comfy_reserved_bytes
-
     def note(self) -> str:
         if not self.in_force:
             return (f"--vram-cap {self.cap_bytes / _GiB:,.2f} GiB ignored: the cap applies to CUDA GPUs only, "
@@ -87,15 +81,15 @@ class VramCap:
         capped = (f"VRAM capped at {self.cap_bytes / _GiB:,.2f} GiB of {self.device}'s {self.total_bytes / _GiB:,.2f} GiB "
                   f"(--vram-cap): PyTorch may allocate {self.fraction:.3f} of it")
         if self.comfy_plans_for_cap:
-            capped += f", ComfyUI reserves {self.reserved_bytes / _GiB:,.2f} GiB"
+            capped += ", and ComfyUI's free memory stays within it"
         else:
-            capped += "; this ComfyUI has no reserved-VRAM setting, so its model loading plans for the whole GPU"
+            capped += "; this ComfyUI has no get_free_memory, so its model loading plans for the whole GPU"
         if self.dynamic_vram:
             capped += "; ComfyUI's dynamic VRAM maps weights past PyTorch's allocator, and the cap does not bound those"
         return capped
 
 
-def plan_vram_cap(cap_bytes: int, device: str, device_total=None, comfy_reserved_bytes: int = 0) -> VramCap:
+def plan_vram_cap(cap_bytes: int, device: str, device_total=None) -> VramCap:
     """The cap for ``device``; ``device_total()`` gives its memory in bytes, and is None where the
     device is no CUDA GPU. A cap above the device's memory is a ``UserError``."""
     if device_total is None:
@@ -104,7 +98,7 @@ def plan_vram_cap(cap_bytes: int, device: str, device_total=None, comfy_reserved
     if cap_bytes > total:
         raise UserError(f"--vram-cap {cap_bytes / _GiB:,.2f} GiB is more than {device}'s {total / _GiB:,.2f} GiB: "
                         "give a smaller size, or leave --vram-cap out to use the whole GPU")
-    return VramCap(cap_bytes, device, total, comfy_reserved_bytes)
+    return VramCap(cap_bytes, device, total)
 
 
 def parse_vram_cap(text: str | None) -> int | None:
@@ -112,21 +106,25 @@ def parse_vram_cap(text: str | None) -> int | None:
     return None if text is None else parse_bytes(text, "--vram-cap")
 
 
-def comfy_reserved_vram(model_management) -> int:
-    """The VRAM ComfyUI keeps free for other applications (0 where this ComfyUI has no such setting)."""
-    reserved = getattr(model_management, "extra_reserved_memory", None)
-    return int(reserved()) if callable(reserved) else int(getattr(model_management, "EXTRA_RESERVED_VRAM", 0))
+def capped_free_memory(get_free_memory, cap_bytes: int, capped_device, live_bytes):
+    """ComfyUI's ``get_free_memory(dev=None, torch_free_too=False)`` as a GPU of ``cap_bytes`` would
+    answer it: on ``capped_device`` (the default device), free memory is at most the cap less
+    ``live_bytes(device)``, the bytes live tensors hold; other devices answer as before."""
+    import torch
 
+    capped = torch.device(capped_device)
 
-def set_comfy_reserved_vram(model_management, reserved_bytes: int) -> bool:
-    """Make ComfyUI keep ``reserved_bytes`` free when it plans; False where it has no such setting."""
-    if hasattr(model_management, "EXTRA_RESERVED_VRAM"):  # what extra_reserved_memory() returns
-        model_management.EXTRA_RESERVED_VRAM = int(reserved_bytes)
-        return True
-    if callable(getattr(model_management, "extra_reserved_memory", None)):
-        model_management.extra_reserved_memory = lambda: int(reserved_bytes)
-        return True
-    return False
+    def get_capped_free_memory(dev=None, torch_free_too=False):
+        answer = get_free_memory(dev, torch_free_too)
+        device = capped if dev is None else torch.device(dev)
+        if device.type != capped.type or (device.index or 0) != (capped.index or 0):
+            return answer
+        free_total, free_torch = answer if torch_free_too else (answer, None)
+        free_total = min(free_total, max(cap_bytes - live_bytes(device), 0))
+        return (free_total, min(free_torch, free_total)) if torch_free_too else free_total
+
+    get_capped_free_memory.uncapped = get_free_memory
+    return get_capped_free_memory
 
 
 @dataclass
@@ -244,7 +242,6 @@ class ComfyHost:
         options = {"cache_args": CACHE_ARGS} if "cache_args" in inspect.signature(execution.PromptExecutor).parameters else {}
         self._executor = execution.PromptExecutor(self._server, cache_type=execution.CacheType.CLASSIC, **options)
         self.vram_cap: VramCap | None = None
-        self._comfy_reserved: int | None = None  # ComfyUI's own reserve, kept to restore it
 
     @property
     def vram_cap_bytes(self) -> int | None:
@@ -257,24 +254,24 @@ class ComfyHost:
         import torch
 
         device = mm.get_torch_device()
-        if self._comfy_reserved is None:
-            self._comfy_reserved = comfy_reserved_vram(mm)
         cuda = torch.device(device).type == "cuda"
+        if self.vram_cap_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            mm.get_free_memory = getattr(mm.get_free_memory, "uncapped", mm.get_free_memory)
         if cap_bytes is None:
-            if self.vram_cap_bytes is not None:
-                torch.cuda.set_per_process_memory_fraction(1.0, device)
-                set_comfy_reserved_vram(mm, self._comfy_reserved)
             self.vram_cap = None
             return None
         name = torch.cuda.get_device_name(device) if cuda else str(device)
         total = (lambda: torch.cuda.mem_get_info(device)[1]) if cuda else None
-        cap = plan_vram_cap(cap_bytes, name, total, self._comfy_reserved)
+        cap = plan_vram_cap(cap_bytes, name, total)
         if cap.in_force:
             from ..nodes.glue import dynamic_vram_probe
 
             torch.cuda.set_per_process_memory_fraction(cap.fraction, device)
-            cap = replace(cap, comfy_plans_for_cap=set_comfy_reserved_vram(mm, cap.reserved_bytes),
-                          dynamic_vram=dynamic_vram_probe() is not None)
+            plans = callable(getattr(mm, "get_free_memory", None))
+            if plans:
+                mm.get_free_memory = capped_free_memory(mm.get_free_memory, cap_bytes, device, torch.cuda.memory_allocated)
+            cap = replace(cap, comfy_plans_for_cap=plans, dynamic_vram=dynamic_vram_probe() is not None)
         self.vram_cap = cap
         return cap
 

@@ -8,6 +8,7 @@ import traceback
 import types
 
 import pytest
+import torch
 
 from sdopt.errors import UserError
 from sdopt.nodes import prompt_context
@@ -144,18 +145,40 @@ def test_comfyuis_log_of_a_node_error_is_quiet_for_user_errors_only(caplog, erro
 GiB = 2**30
 
 
-def test_vram_cap_fraction_and_reserve_make_comfyui_plan_for_the_cap():
-    cap = headless.plan_vram_cap(8 * GiB, "H100", device_total=lambda: 80 * GiB, comfy_reserved_bytes=GiB // 2)
+def test_vram_cap_fraction_is_the_cap_over_the_device():
+    cap = headless.plan_vram_cap(8 * GiB, "H100", device_total=lambda: 80 * GiB)
     assert cap.in_force and cap.fraction == pytest.approx(0.1)
-    # ComfyUI sees free memory minus its reserve: 80 GiB free on the idle device leaves the cap less
-    # the reserve any GPU of the cap's size would keep.
-    assert 80 * GiB - cap.reserved_bytes == 8 * GiB - GiB // 2
     assert "VRAM capped at 8.00 GiB of H100's 80.00 GiB" in cap.note() and "0.100" in cap.note()
+    assert "ComfyUI's free memory stays within it" in cap.note()
 
 
 def test_vram_cap_the_size_of_the_gpu_is_the_whole_gpu():
-    cap = headless.plan_vram_cap(80 * GiB, "H100", device_total=lambda: 80 * GiB)
-    assert cap.fraction == 1.0 and cap.reserved_bytes == 0
+    assert headless.plan_vram_cap(80 * GiB, "H100", device_total=lambda: 80 * GiB).fraction == 1.0
+
+
+def _comfy_free_memory(free_total, free_torch):
+    """ComfyUI's get_free_memory signature, answering for an idle big GPU and for the CPU."""
+    def get_free_memory(dev=None, torch_free_too=False):
+        answer = (100 * GiB, 0) if dev is not None and torch.device(dev).type == "cpu" else (free_total, free_torch)
+        return answer if torch_free_too else answer[0]
+    return get_free_memory
+
+
+def test_capped_free_memory_answers_as_a_gpu_of_the_caps_size():
+    live = {"bytes": GiB}
+    capped = headless.capped_free_memory(_comfy_free_memory(135 * GiB, GiB // 4), 4 * GiB, "cuda:0", lambda device: live["bytes"])
+    # what ComfyUI's checkpoint loader asks before building a model on the GPU: the cap less live tensors
+    assert capped("cuda:0") == 3 * GiB and capped() == 3 * GiB and capped(torch.device("cuda")) == 3 * GiB
+    assert capped("cuda:0", torch_free_too=True) == (3 * GiB, GiB // 4)
+    live["bytes"] = 5 * GiB
+    assert capped("cuda:0") == 0 and capped("cuda:0", torch_free_too=True) == (0, 0)
+    assert capped("cpu") == 100 * GiB, "host memory is not capped"
+    assert capped("cuda:1") == 135 * GiB, "only the capped GPU"
+
+
+def test_capped_free_memory_never_reports_more_than_the_device_has():
+    capped = headless.capped_free_memory(_comfy_free_memory(2 * GiB, 0), 8 * GiB, "cuda:0", lambda device: 0)
+    assert capped("cuda:0") == 2 * GiB and capped.uncapped("cuda:0") == 2 * GiB
 
 
 def test_vram_cap_without_cuda_is_ignored_with_one_line():
@@ -173,17 +196,6 @@ def test_vram_cap_parses_sizes_and_names_the_option():
     assert headless.parse_vram_cap("6000MiB") == 6000 * 2**20 and headless.parse_vram_cap(None) is None
     with pytest.raises(headless.UserError, match="--vram-cap: 'lots' is not a size"):
         headless.parse_vram_cap("lots")
-
-
-def test_reserved_vram_is_set_where_comfyui_has_the_setting():
-    old = types.SimpleNamespace(EXTRA_RESERVED_VRAM=400 * 2**20)
-    old.extra_reserved_memory = lambda: old.EXTRA_RESERVED_VRAM
-    assert headless.comfy_reserved_vram(old) == 400 * 2**20
-    assert headless.set_comfy_reserved_vram(old, 72 * GiB) and old.extra_reserved_memory() == 72 * GiB
-    function_only = types.SimpleNamespace(extra_reserved_memory=lambda: 0)
-    assert headless.set_comfy_reserved_vram(function_only, GiB) and function_only.extra_reserved_memory() == GiB
-    neither = types.SimpleNamespace()
-    assert headless.comfy_reserved_vram(neither) == 0 and not headless.set_comfy_reserved_vram(neither, GiB)
 
 
 def test_a_cap_comfyui_cannot_plan_for_says_so():
