@@ -109,7 +109,7 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
               {**common, "model": model, **speed, "rungs": SPEED_LADDER, "skip_rungs": skip_rungs(SPEED_LADDER)}),
         Phase(4, "competitors", f"bench speed: sdopt against TorchCompileModel and diffusers ({model})", "run_speed", 390,
               {**common, "model": model, **speed, "rungs": COMPETITORS, "skip_rungs": skip_rungs(COMPETITORS)}),
-        Phase(5, "speed-sdxl", f"bench speed: the SDXL ladder ({sdxl_model})", "run_speed", 450,
+        Phase(5, "speed-sdxl", f"bench speed: the SDXL ladder ({sdxl_model})", "run_speed", 300,
               {**common, "model": sdxl_model, "size": 1024, "steps": 20, "rounds": 2, "rungs": SDXL_LADDER, "skip_rungs": {}}),
         Phase(6, "attention", "bench attention: every backend", "run_attention", 60,
               {"tokens": [64, 256], "dtype": "fp32", "device": "cpu"} if dry_run else
@@ -128,6 +128,10 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
                          "modes": [OFFLOAD_MODES[0], OFFLOAD_MODES[3]] if dry_run else list(OFFLOAD_MODES)}))
     phases.append(Phase(12, "cache", f"bench speed: step caches, sdopt's and ComfyUI's EasyCache, plain and compiled ({model})", "run_speed", 240,
                         {**common, "model": model, **speed, "rungs": CACHES, "skip_rungs": skip_rungs(CACHES)}))
+    phases.append(Phase(13, "flux-12gib", f"Flux ({FLUX_MODEL}) under a 12 GiB cap through sdopt Offload, against the uncapped model", "run_offload", 180,
+                        {**common, "model": FLUX_MODEL, "size": 1024, "steps": 8, "warm_up": True, "modes": list(FLUX_CAPPED_MODES)},
+                        skip=("left out of the dry run: phase 11 runs the same runner on the CPU, where a cap does not apply"
+                              if dry_run else "")))
     if dry_run:
         phases[4] = replace(phases[4], skip="left out of the dry run: generating and loading an SDXL checkpoint takes minutes on a CPU")
         phases[8] = replace(phases[8], skip="left out of the dry run: phase 8's runner and stacks at another cap (phase 10 runs "
@@ -491,11 +495,16 @@ def run_resolutions(out: Path, phase: Phase) -> dict:
     return result(rows, [] if save_heatmap(rows, out / plot) else [plot])
 
 
-OFFLOAD_MODES = (("none", 0), ("budget", 1024), ("budget", 256), ("sequential", 0), ("unload_after", 0))
+# (mode, budget MiB, VRAM cap GiB or None); the first is every row's reference
+OFFLOAD_MODES = (("none", 0, None), ("budget", 1024, None), ("budget", 256, None), ("sequential", 0, None), ("unload_after", 0, None))
+FLUX_MODEL = "flux-full"
+# Issue 17's 12 GiB card: Flux-dev's 22.2 GiB of bf16 weights, 8 GiB of them resident, beside the
+# activations and the VAE decode.
+FLUX_CAPPED_MODES = (("none", 0, None), ("budget", 8192, 12))
 
 
 def run_offload(out: Path, phase: Phase) -> dict:
-    from .bench_speed import PROMPT, optimization_notes, pixel_difference, profiled_sample, timed_decode
+    from .bench_speed import encode_prompts, empty_latent, optimization_notes, pixel_difference, profiled_sample, timed_decode
     from .bench_unet import checkpoint_path, load_checkpoint
     from .headless import boot
 
@@ -503,16 +512,14 @@ def run_offload(out: Path, phase: Phase) -> dict:
     host = boot(options["comfyui"] or os.environ.get("COMFYUI_PATH"))  # puts ComfyUI's modules on the path
     import comfy.model_management
     import comfy.patcher_extension
-    import nodes as comfy_nodes
 
     models = Path(options["models"]) if options["models"] else Path(host.path) / "models"
     base, clip, vae = load_checkpoint(checkpoint_path(options["model"], models))
-    encode = comfy_nodes.CLIPTextEncode().encode
-    conds = (encode(clip, PROMPT)[0], encode(clip, "")[0])
-    latent = {"samples": torch.zeros(1, 4, options["size"] // 8, options["size"] // 8)}
+    conds = encode_prompts(clip, options["size"])
+    latent = empty_latent(base, options["size"])
     offload = host.node_classes["SDOptOffload"]()
     rows, images = [], {}
-    for mode, budget in options["modes"]:
+    for mode, budget, cap_gib in (tuple(m) for m in options["modes"]):
         seen = {}
 
         def residency(executor, *args, **kwargs):
@@ -522,29 +529,37 @@ def run_offload(out: Path, phase: Phase) -> dict:
 
         model = offload.patch(base, mode, budget, "fallback")[0]
         model.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.SAMPLER_SAMPLE, "sdopt.bench.residency", residency)
-        label = mode + (f" {budget} MiB" if mode == "budget" else "")
+        label = mode + (f" {budget} MiB" if mode == "budget" else "") + (f", {cap_gib} GiB cap" if cap_gib else "")
         comfy.model_management.unload_all_models()
-        with torch.inference_mode():
-            if options["warm_up"]:  # a first prompt pays for loading and for cuDNN's and the allocator's first calls
-                profiled_sample(host, model, label, latent, conds, options["steps"])
-                comfy.model_management.unload_all_models()
-            samples, run, wall = profiled_sample(host, model, label, latent, conds, options["steps"])
-            images[label] = timed_decode(vae, samples)[0]
-        largest, mean = pixel_difference(images[label], images["none"])
-        rows.append({"mode": label, "resident_bytes": seen.get("resident"), "model_bytes": seen.get("total"),
+        host.set_vram_cap(cap_gib * GIB if cap_gib else None)
+        try:
+            with torch.inference_mode():
+                if options["warm_up"]:  # a first prompt pays for loading and for cuDNN's and the allocator's first calls
+                    profiled_sample(host, model, label, latent, conds, options["steps"])
+                    comfy.model_management.unload_all_models()
+                samples, run, wall = profiled_sample(host, model, label, latent, conds, options["steps"])
+                images[label] = timed_decode(vae, samples)[0]
+        finally:
+            comfy.model_management.unload_all_models()
+            host.set_vram_cap(None)
+        reference = rows[0] if rows else None
+        largest, mean = pixel_difference(images[label], images[reference["mode"] if reference else label])
+        rows.append({"mode": label, "vram_cap_gib": cap_gib, "resident_bytes": seen.get("resident"), "model_bytes": seen.get("total"),
                      "steady_it_per_s": run["steady_it_per_s"], "sampler_s": run["sampler_total_s"], "peak_memory_bytes": run["peak_memory_bytes"],
-                     "memory_kind": run["memory_kind"], "max_pixel_diff_vs_none": largest, "mean_pixel_diff_vs_none": mean,
+                     "memory_kind": run["memory_kind"], "step_time_vs_reference": (reference or run)["steady_it_per_s"] / run["steady_it_per_s"],
+                     "max_pixel_diff_vs_reference": largest, "mean_pixel_diff_vs_reference": mean,
                      "notes": optimization_notes(run["optimizations"])})
-    comfy.model_management.unload_all_models()
     kind = "VRAM" if rows[0]["memory_kind"] == "vram_allocated" else "RAM"
     table = markdown_table(
-        ["mode", "resident MiB (of the UNet's)", "steady it/s", "sampler s", f"peak {kind} MiB", "vs full residency: max / mean levels"],
+        ["mode", "resident MiB (of the model's)", "steady it/s", "step time vs first row", "sampler s", f"peak {kind} MiB",
+         "vs first row: max / mean levels"],
         [[r["mode"], f"{(r['resident_bytes'] or 0) / MIB:,.0f} of {(r['model_bytes'] or 0) / MIB:,.0f}", f"{r['steady_it_per_s']:.2f}",
-          f"{r['sampler_s']:.2f}", f"{r['peak_memory_bytes'] / MIB:,.0f}", f"{r['max_pixel_diff_vs_none']:.1f} / {r['mean_pixel_diff_vs_none']:.2f}"]
-         for r in rows], right={1, 2, 3, 4, 5})
+          f"{r['step_time_vs_reference']:.2f}x", f"{r['sampler_s']:.2f}", f"{r['peak_memory_bytes'] / MIB:,.0f}",
+          f"{r['max_pixel_diff_vs_reference']:.1f} / {r['mean_pixel_diff_vs_reference']:.2f}"]
+         for r in rows], right={1, 2, 3, 4, 5, 6})
     notes = [f"- **{r['mode']}**: {r['notes']}" for r in rows]
-    heading = (f"SD1.5 {options['model']}, {options['size']}², {options['steps']} euler steps, ComfyUI's KSampler through sdopt Offload; "
-               "resident: the UNet's weights on the device when sampling starts")
+    heading = (f"{options['model']}, {options['size']}², {options['steps']} euler steps, ComfyUI's KSampler through sdopt Offload; "
+               "resident: the diffusion model's weights on the device when sampling starts; a cap applies to its row only")
     plot = f"{phase.stem}.png"
     plots = [plot] if _bar_plot(out / plot, {"steady it/s": {r["mode"]: r["steady_it_per_s"] for r in rows}}, "steady it/s",
                                 "sdopt Offload: speed per mode") else []

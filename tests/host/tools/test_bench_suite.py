@@ -65,7 +65,8 @@ def test_each_phase_measured_what_it_names(dry_run):
         assert {r["stack"] for r in res["rows"]} == {"stock", "sdopt"} and res["options"]["vram_cap_gib"] == cap
     offload = rows("11-offload")
     assert [r["mode"] for r in offload["rows"]] == ["none", "sequential"]
-    assert all(r["max_pixel_diff_vs_none"] == 0 for r in offload["rows"]), "on a CPU every mode is a no-op"
+    assert all(r["max_pixel_diff_vs_reference"] == 0 for r in offload["rows"]), "on a CPU every mode is a no-op"
+    assert offload["rows"][0]["step_time_vs_reference"] == 1.0
     assert offload["skipped"] and "CPU" in offload["skipped"][0]["why"]
     cache = {r["rung"]: r for r in rows("12-cache")["rows"]}
     assert list(cache) == ["stock", "cache", "EasyCache"] and cache["cache"]["psnr_vs_eager_db"] is not None

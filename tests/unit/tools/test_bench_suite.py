@@ -25,10 +25,10 @@ def by_name(phases):
 
 def test_the_plan_has_every_phase_the_gpu_must_show(sdxl_known):
     phases = plan_phases()
-    assert [p.number for p in phases] == list(range(1, 13))
+    assert [p.number for p in phases] == list(range(1, 14))
     named = by_name(phases)
     assert list(named) == ["gpu-tests", "doctor", "speed", "competitors", "speed-sdxl", "attention", "vae", "res-8gib", "res-4gib",
-                           "res-2gib", "offload", "cache"]
+                           "res-2gib", "offload", "cache", "flux-12gib"]
     speed = named["speed"].options
     assert (speed["model"], speed["size"], speed["steps"]) == ("full", 512, 20)
     assert "compile+graph+channels_last" in speed["rungs"] and "stock" in speed["rungs"] and not speed["skip_rungs"]
@@ -38,6 +38,8 @@ def test_the_plan_has_every_phase_the_gpu_must_show(sdxl_known):
     assert [named[f"res-{cap}gib"].options["vram_cap_gib"] for cap in (8, 4, 2)] == [8, 4, 2]
     assert 4096 in named["res-8gib"].options["sizes"] and 2048 in named["res-2gib"].options["sizes"]
     assert named["attention"].options["dtype"] == "fp16" and named["vae"].options["sizes"][-1] == 4096
+    flux = named["flux-12gib"].options
+    assert flux["model"] == "flux-full" and [cap for _, _, cap in flux["modes"]] == [None, 12], "the uncapped run is the reference"
     assert all(not p.skip for p in phases)
 
 
@@ -71,7 +73,9 @@ def test_dry_run_is_the_same_plan_at_tiny_sizes_and_says_what_it_leaves_out(sdxl
     assert named["speed"].options["model"] == "mini" and named["speed"].options["size"] == 64
     assert named["speed"].options["rungs"] == full[2].options["rungs"]
     assert set(named["speed"].options["skip_rungs"]) == {"compile", "compile+graph", "compile+graph+channels_last", "TorchCompileModel", "precision"}
-    assert named["offload"].options["modes"] == [("none", 0), ("sequential", 0)] and len(by_name(full)["offload"].options["modes"]) == 5
+    assert named["offload"].options["modes"] == [("none", 0, None), ("sequential", 0, None)]
+    assert len(by_name(full)["offload"].options["modes"]) == 5
+    assert named["flux-12gib"].skip and "dry run" in named["flux-12gib"].skip
     assert "diffusers+compile" in named["competitors"].options["skip_rungs"]
     assert all("minute" in why for why in named["competitors"].options["skip_rungs"].values())
     assert "precision" not in named["competitors"].options["skip_rungs"]
@@ -95,8 +99,8 @@ def test_select_phases_by_number():
     # the order given, not the phase numbers': a short lease runs what matters first
     assert [p.number for p in select(phases, [12, 8, 12])] == [12, 8]
     assert select(phases, None) == phases
-    with pytest.raises(UserError, match="--phase 13: choose from 1 \\(gpu-tests\\)"):
-        select(phases, [13])
+    with pytest.raises(UserError, match="--phase 14: choose from 1 \\(gpu-tests\\)"):
+        select(phases, [14])
 
 
 def test_a_failing_or_late_phase_keeps_the_phases_before_it(tmp_path):
