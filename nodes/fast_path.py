@@ -26,6 +26,8 @@ FAST_PATH_KEY = "sdopt.fast_path"
 # they run in the forward (only the blocks are compiled), so the fast path passes them on rather than
 # going eager
 BLOCK_CACHE_ATTRIBUTE = "sdopt_first_block_cache"
+# Below this, inductor's per-step copy of NCHW conv weights costs microseconds: not worth a note.
+NCHW_NOTE_MIN_BYTES = 2**20
 _KEPT_OPTIONS = ("optimized_attention_override", "patches_replace")
 FIRST_BLOCK_EAGER = ("sdopt Step Cache first_block, which decides per call between the blocks: only Compile's "
                      "compile_regional (no CUDA Graph) runs beside it")
@@ -390,7 +392,7 @@ def install_fast_path(model, fast_path: FastPath) -> None:
                 layout = (
                     f"{fast_path.nchw_conv_bytes / 2**20:,.0f} MiB of conv weights are stored NCHW, so inductor copies them to "
                     "channels-last on every step: sdopt Precision's channels_last stores them that way once"
-                ) if fast_path.nchw_conv_bytes else ""
+                ) if fast_path.nchw_conv_bytes >= NCHW_NOTE_MIN_BYTES else ""
                 details = [line for s in compile_stats for line in s.details()]
                 note = "; ".join(filter(None, [fast_path.notes.get("SDOptCompile", str)(), *details, warm,
                                                f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", layout, eager]))
