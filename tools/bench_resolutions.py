@@ -23,6 +23,7 @@ sizes its slices from free memory).
 from __future__ import annotations
 
 import gc
+import math
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -76,6 +77,7 @@ class ResolutionRow:
     decode_s: float | None = None
     peak_memory_bytes: int | None = None
     psnr_vs_stock_db: float | None = None  # the decoded image against stock's at this size
+    psnr_vs_uncapped_db: float | None = None  # against stock's with the cap lifted (--against-uncapped)
     vram_cap_bytes: int | None = None  # --vram-cap in force
     offload_mb: int = OFFLOAD_BUDGET_MB  # the sdopt stack's Offload budget; 0: sequential
     notes: str = ""
@@ -168,6 +170,27 @@ def _run_cell(host, model, vae, memory: PeakMemory, size: int, conds, steps: int
     return image, run["sampler_total_s"], decode_s, peak, optimization_notes(records)
 
 
+def _uncapped_image(host, model_management, memory: PeakMemory, stock: tuple, size: int, conds, steps: int):
+    """Stock's image at ``size`` with the VRAM cap lifted for this one run, then put back."""
+    requested = host.vram_cap.cap_bytes if host.vram_cap is not None else None
+    _release(model_management, memory)
+    host.set_vram_cap(None)
+    try:
+        return _run_cell(host, *stock, memory, size, conds, steps, "stock uncapped")[0]
+    finally:
+        _release(model_management, memory)
+        host.set_vram_cap(requested)
+
+
+def _psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
+    # Decoded images are in [0, 1]; psnr takes decoder outputs in [-1, 1].
+    return psnr(image * 2 - 1, reference * 2 - 1)
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 @torch.inference_mode()
 def bench_resolutions(*args, **kwargs) -> list[ResolutionRow]:
     """Every row of ``resolution_rows``."""
@@ -184,9 +207,11 @@ def resolution_rows(
     models: Path | None = None,
     progress: bool = True,
     offload_mb: int = OFFLOAD_BUDGET_MB,
+    against_uncapped: bool = False,
 ) -> Iterator[ResolutionRow]:
     """Rows per size, stock then sdopt, each as soon as its cell is done; ``offload_mb`` is the sdopt
-    stack's Offload budget (0: sequential)."""
+    stack's Offload budget (0: sequential). ``against_uncapped``: before each size, stock runs once
+    more with the cap lifted, and both stacks' images are compared with that one too."""
     from .headless import boot
 
     if not sizes:
@@ -209,11 +234,16 @@ def resolution_rows(
     stacks = _stacks(host, base, vae, offload_mb)
     memory = PeakMemory(base.load_device)
     oom_errors = _oom_errors(mm)
-    stock_images = {}
+    stock_images, uncapped_images, uncapped_failures = {}, {}, {}
     cells = [(size, stack) for size in sizes for stack in (STOCK, SDOPT)]
     bar = progress_bar(cells, desc=f"resolutions {path.stem} {steps} steps", unit="cell", disable=not progress)
     for size, stack in bar:
         bar.set_postfix_str(f"{size} px {stack}")
+        if against_uncapped and stack == STOCK:
+            try:
+                uncapped_images[size] = _uncapped_image(host, mm, memory, stacks[STOCK], size, conds[size], steps)
+            except oom_errors as error:
+                uncapped_failures[size] = f"the uncapped reference ran out of memory: {_first_line(error)}"
         allocated = _release(mm, memory)
         budget = _budget(host, memory, allocated)
         predicted, settings = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu, offload_mb=offload_mb)
@@ -228,15 +258,15 @@ def resolution_rows(
         try:
             image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[stack], memory, size, conds[size], steps, stack)
         except oom_errors as error:
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            yield ResolutionRow(status=OUT_OF_MEMORY, notes=reason, **row)
+            yield ResolutionRow(status=OUT_OF_MEMORY, notes=_first_line(error), **row)
             continue
         if stack == STOCK:
             stock_images[size] = image
-        # Decoded images are in [0, 1]; psnr takes decoder outputs in [-1, 1].
-        similarity = psnr(image * 2 - 1, stock_images[size] * 2 - 1) if stack == SDOPT and size in stock_images else None
+        similarity = _psnr(image, stock_images[size]) if stack == SDOPT and size in stock_images else None
+        to_uncapped = _psnr(image, uncapped_images[size]) if size in uncapped_images else None
+        notes = "; ".join(filter(None, [notes, uncapped_failures.get(size, "")]))
         yield ResolutionRow(status=OK, seconds=sampler_s + decode_s, sampler_s=sampler_s, decode_s=decode_s,
-                            peak_memory_bytes=peak, psnr_vs_stock_db=similarity, notes=notes, **row)
+                            peak_memory_bytes=peak, psnr_vs_stock_db=similarity, psnr_vs_uncapped_db=to_uncapped, notes=notes, **row)
     _release(mm, memory)
 
 
@@ -258,22 +288,34 @@ def resolutions_table(rows: list[ResolutionRow]) -> str:
     for stack in (STOCK, SDOPT):
         headers += [f"{stack} s", f"{stack} peak MiB {memory}", f"{stack} status", f"{stack} predicted / budget MiB"]
     headers.append("sdopt PSNR vs stock dB")
+    uncapped = any(r.psnr_vs_uncapped_db is not None for r in rows)
+    if uncapped:
+        headers.append("PSNR vs uncapped stock dB: stock / sdopt")
     cells = {(r.size, r.stack): r for r in rows}
     body = []
     for size in dict.fromkeys(r.size for r in rows):
-        sdopt = cells.get((size, SDOPT))
-        similarity = "—" if sdopt is None or sdopt.psnr_vs_stock_db is None else f"{sdopt.psnr_vs_stock_db:.1f}"
-        body.append([f"{size}x{size}", *_cell_text(cells.get((size, STOCK))), *_cell_text(sdopt), similarity])
+        stock, sdopt = cells.get((size, STOCK)), cells.get((size, SDOPT))
+        line = [f"{size}x{size}", *_cell_text(stock), *_cell_text(sdopt), _db(sdopt and sdopt.psnr_vs_stock_db)]
+        if uncapped:
+            line.append(f"{_db(stock and stock.psnr_vs_uncapped_db)} / {_db(sdopt and sdopt.psnr_vs_uncapped_db)}")
+        body.append(line)
     first = rows[0]
     cap = f", VRAM capped at {format_mib(first.vram_cap_bytes)} MiB" if first.vram_cap_bytes else ""
     lines = [f"{first.model} on {first.device}, {first.steps} steps{cap}; time = sampler + VAE decode", ""]
-    lines += markdown_table(headers, body, right={1, 2, 4, 5, 6, 8, 9})
+    lines += markdown_table(headers, body, right={1, 2, 4, 5, 6, 8, 9, 10})
     lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in stack_chains(first.offload_mb).items())]
     ran = next((r for r in rows if r.stack == SDOPT and r.status == OK and r.notes), None)
     if ran is not None:
         lines.append(f"- sdopt at {ran.size} px: {ran.notes}")
     lines += [f"- {r.stack} at {r.size} px: {r.status}: {r.notes}" for r in rows if r.status != OK and r.notes]
     return "\n".join(lines)
+
+
+def _db(value: float | None) -> str:
+    """A PSNR for the table; identical images are infinitely close."""
+    if value is None:
+        return "—"
+    return "identical" if math.isinf(value) else f"{value:.1f}"
 
 
 def save_heatmap(rows: list[ResolutionRow], path: Path) -> str | None:

@@ -123,7 +123,8 @@ def _bench_resolutions(args: argparse.Namespace) -> None:
     from .bench_resolutions import bench_resolutions, resolutions_table, save_heatmap
 
     rows = bench_resolutions(args.comfyui, model=args.model, sizes=args.sizes, steps=args.steps, vram_cap=_vram_cap(args),
-                             confirm=args.confirm, models=args.models, offload_mb=args.offload_mb)
+                             confirm=args.confirm, models=args.models, offload_mb=args.offload_mb,
+                             against_uncapped=args.against_uncapped)
     _print_rows(resolutions_table(rows), rows, args.json)
     if args.plot:
         print(save_heatmap(rows, args.plot) or f"wrote {args.plot}")
@@ -376,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the sdopt stack's Offload budget in MiB of UNet weights; 0 = sequential (stream every layer)")
     resolutions.add_argument("--confirm", action="store_true",
                              help="on a GPU, also run the cells the planner predicts out of memory (on a CPU they are never run)")
+    resolutions.add_argument("--against-uncapped", action="store_true", help=(
+        "before each size, run stock once more with --vram-cap lifted and compare both stacks' images with it"))
     resolutions.add_argument("--plot", type=Path, help="write a heatmap (PNG)")
     _add_comfyui_bench_options(resolutions)
     resolutions.set_defaults(handler=_bench_resolutions)

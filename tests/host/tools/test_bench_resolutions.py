@@ -2,6 +2,7 @@
 every cell fits, so both stacks run at both sizes, and sdopt's image equals stock's. The UNet stack is
 exact up to float rounding and the tiled VAE holds ≥ 40 dB PSNR, so 40 dB is the bound."""
 import json
+import math
 
 import pytest
 
@@ -55,9 +56,11 @@ def test_heatmap_written(bench):
 def test_sdxl_mini_cells_run_and_the_planner_knows_the_architecture(comfy_host, sdxl_checkpoint, tmp_path):
     out = tmp_path / "resolutions.json"
     argv = ["bench", "resolutions", "--comfyui", str(comfy_host.host.path), "--model", str(sdxl_checkpoint),
-            "--sizes", "64", "--steps", "1", "--json", str(out)]
+            "--sizes", "64", "--steps", "1", "--json", str(out), "--against-uncapped"]
     assert main(argv) == 0
     stock, sdopt = json.loads(out.read_text())
     assert (stock["status"], sdopt["status"]) == ("ok", "ok") and stock["model"] == "sdopt-mini-sdxl"
     assert sdopt["psnr_vs_stock_db"] >= MIN_PSNR_DB
+    # no cap applies on a CPU: the uncapped reference is stock run again, which must repeat itself exactly
+    assert stock["psnr_vs_uncapped_db"] == math.inf and sdopt["psnr_vs_uncapped_db"] == pytest.approx(sdopt["psnr_vs_stock_db"])
     assert 0 < stock["predicted_peak_bytes"] <= stock["budget_bytes"]

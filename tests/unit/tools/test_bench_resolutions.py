@@ -1,6 +1,8 @@
 """bench resolutions without ComfyUI: which cells run, what the planner's figures add up to, the
 table, the JSON rows and the heatmap. The host tier runs the bench in ComfyUI."""
 import json
+import math
+from dataclasses import replace
 
 import pytest
 
@@ -100,6 +102,15 @@ def test_table_puts_stock_beside_sdopt_per_size_and_says_why_cells_did_not_run()
                         "| 9,000.0 > 8,192.0 | — |")
     assert "- sdopt at 1024 px: SDOptOffload: budget 1,024 MiB" in table
     assert "- sdopt at 2048 px: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB" in table
+
+
+def test_table_gives_both_stacks_against_the_uncapped_image_when_measured():
+    rows = [replace(ROWS[0], psnr_vs_uncapped_db=math.inf), replace(ROWS[1], psnr_vs_uncapped_db=48.04), *ROWS[2:]]
+    table = bench.resolutions_table(rows)
+    assert "| PSNR vs uncapped stock dB: stock / sdopt |" in table
+    lines = [line for line in table.splitlines() if line.startswith("| 1024") or line.startswith("| 2048")]
+    assert lines[0].endswith("| 72.2 | identical / 48.0 |") and lines[1].endswith("| — | — / — |")
+    assert "uncapped" not in bench.resolutions_table(ROWS), "no column where nothing was measured"
 
 
 def test_rows_round_trip_through_json():
