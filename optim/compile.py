@@ -668,7 +668,7 @@ class CompiledForward:
     @contextlib.contextmanager
     def _blocks_compiled(self):
         for block, compiled in self._block_forwards:
-            block.forward = functools.partial(compiled, block)
+            block.forward = functools.partial(_on_dense_inputs, compiled, block)
         try:
             yield
         finally:
@@ -711,6 +711,20 @@ class CompiledForward:
         while len(self.traces) > self.config.max_traces:
             self.traces.popitem(last=False)
         return ready(traced)
+
+
+def _dense(value):
+    if not isinstance(value, torch.Tensor) or value.is_contiguous() or (
+            value.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last)):
+        return value
+    return value.contiguous()
+
+
+def _on_dense_inputs(compiled: Callable, block: torch.nn.Module, *args, **kwargs):
+    """``compiled(block, ...)`` with every tensor argument dense (contiguous, or channels-last as
+    stored): dynamo guards on strides, and a block fed straight from a transpose (SD3's first joint
+    block) would otherwise compile its kind a second time."""
+    return compiled(block, *map(_dense, args), **{name: _dense(value) for name, value in kwargs.items()})
 
 
 def _trace_with_weights_as_inputs(traceable: _Traceable, weights: tuple, tensors: tuple):
