@@ -39,7 +39,7 @@ from ..optim.precision import DTYPES
 from ..optim.tiled_vae import free_memory
 from .bench_speed import empty_latent, encode_prompts, optimization_notes, profiled_sample, timed_decode
 from .bench_unet import checkpoint_path, load_checkpoint
-from .bench_vae import psnr
+from .bench_vae import image_psnr
 from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, lowmem_setting
 from .progress import progress_bar
 
@@ -171,20 +171,15 @@ def _run_cell(host, model, vae, memory: PeakMemory, size: int, conds, steps: int
 
 
 def _uncapped_image(host, model_management, memory: PeakMemory, stock: tuple, size: int, conds, steps: int):
-    """Stock's image at ``size`` with the VRAM cap lifted for this one run, then put back."""
+    """Stock's image at ``size`` with the VRAM cap lifted for this one run, then put back (the next
+    cell releases what this run loaded)."""
     requested = host.vram_cap.cap_bytes if host.vram_cap is not None else None
     _release(model_management, memory)
     host.set_vram_cap(None)
     try:
         return _run_cell(host, *stock, memory, size, conds, steps, "stock uncapped")[0]
     finally:
-        _release(model_management, memory)
         host.set_vram_cap(requested)
-
-
-def _psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
-    # Decoded images are in [0, 1]; psnr takes decoder outputs in [-1, 1].
-    return psnr(image * 2 - 1, reference * 2 - 1)
 
 
 def _first_line(error: BaseException) -> str:
@@ -262,8 +257,8 @@ def resolution_rows(
             continue
         if stack == STOCK:
             stock_images[size] = image
-        similarity = _psnr(image, stock_images[size]) if stack == SDOPT and size in stock_images else None
-        to_uncapped = _psnr(image, uncapped_images[size]) if size in uncapped_images else None
+        similarity = image_psnr(image, stock_images[size]) if stack == SDOPT and size in stock_images else None
+        to_uncapped = image_psnr(image, uncapped_images[size]) if size in uncapped_images else None
         notes = "; ".join(filter(None, [notes, uncapped_failures.get(size, "")]))
         yield ResolutionRow(status=OK, seconds=sampler_s + decode_s, sampler_s=sampler_s, decode_s=decode_s,
                             peak_memory_bytes=peak, psnr_vs_stock_db=similarity, psnr_vs_uncapped_db=to_uncapped, notes=notes, **row)

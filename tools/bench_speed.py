@@ -44,7 +44,7 @@ from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table
 from ..measure.step_profile import profile_device
 from .bench_unet import checkpoint_path, load_checkpoint
-from .bench_vae import psnr
+from .bench_vae import image_psnr
 from .progress import progress_bar
 
 PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
@@ -391,7 +391,7 @@ def bench_speed(
             step_profile=profiles[name].to_dict() if name in profiles else None,
             eager_twin=eager, max_pixel_diff_vs_eager=vs_eager[0], mean_pixel_diff_vs_eager=vs_eager[1],
             within_tolerance=IMAGE_TOLERANCE.admits(*vs_eager) if eager and not approximate else None,
-            psnr_vs_eager_db=psnr(images[name] * 2 - 1, images[eager] * 2 - 1) if approximate else None,
+            psnr_vs_eager_db=image_psnr(images[name], images[eager]) if approximate else None,
         ))
     return rows
 

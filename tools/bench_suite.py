@@ -519,7 +519,7 @@ def run_offload(out: Path, phase: Phase) -> dict:
     latent = empty_latent(base, options["size"])
     offload = host.node_classes["SDOptOffload"]()
     rows, images = [], {}
-    for mode, budget, cap_gib in (tuple(m) for m in options["modes"]):
+    for mode, budget, cap_gib in options["modes"]:
         seen = {}
 
         def residency(executor, *args, **kwargs):
@@ -542,11 +542,11 @@ def run_offload(out: Path, phase: Phase) -> dict:
         finally:
             comfy.model_management.unload_all_models()
             host.set_vram_cap(None)
-        reference = rows[0] if rows else None
-        largest, mean = pixel_difference(images[label], images[reference["mode"] if reference else label])
+        first = rows[0] if rows else {"mode": label, "steady_it_per_s": run["steady_it_per_s"]}  # the reference row
+        largest, mean = pixel_difference(images[label], images[first["mode"]])
         rows.append({"mode": label, "vram_cap_gib": cap_gib, "resident_bytes": seen.get("resident"), "model_bytes": seen.get("total"),
                      "steady_it_per_s": run["steady_it_per_s"], "sampler_s": run["sampler_total_s"], "peak_memory_bytes": run["peak_memory_bytes"],
-                     "memory_kind": run["memory_kind"], "step_time_vs_reference": (reference or run)["steady_it_per_s"] / run["steady_it_per_s"],
+                     "memory_kind": run["memory_kind"], "step_time_vs_reference": first["steady_it_per_s"] / run["steady_it_per_s"],
                      "max_pixel_diff_vs_reference": largest, "mean_pixel_diff_vs_reference": mean,
                      "notes": optimization_notes(run["optimizations"])})
     kind = "VRAM" if rows[0]["memory_kind"] == "vram_allocated" else "RAM"

@@ -134,6 +134,11 @@ def psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
     return math.inf if mse == 0 else 10 * math.log10(1 / mse)
 
 
+def image_psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
+    """PSNR in dB of two decoded images in [0, 1] (VAEDecode's output)."""
+    return psnr(image * 2 - 1, reference * 2 - 1)
+
+
 def bench_vae(
     sizes: list[int],
     tile: int = 512,
