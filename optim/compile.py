@@ -142,6 +142,9 @@ EAGER_FRAME_FIX = "torch runs the whole function eagerly and compiles what it ca
 RECOMPILE_LIMIT_FIX = "raise torch._dynamo.config.recompile_limit, or compile with dynamic; a graph break above multiplies recompiles"
 
 
+CPU_PROBE_NOTE_SECONDS = 0.5  # a shorter probe read its answer from the cache folder: not worth a word
+
+
 @dataclass
 class CompileStats:
     compilations: int = 0
@@ -157,6 +160,8 @@ class CompileStats:
     reused: dict[str, int] = field(default_factory=dict)  # who compiled them → graphs this model ran but did not compile
     isolated: bool = False  # torch keeps the entries of what a graph break leaves outside per compiled model
     slower_than_eager: dict = field(default_factory=dict)  # signature → its SpeedTrial: these run eagerly
+    cpu_probed: bool = False
+    cpu_probe_seconds: float = 0.0  # torch's CPU vector-ISA probe, outside compile_seconds
 
     @property
     def cache_entries(self) -> int:
@@ -165,6 +170,9 @@ class CompileStats:
 
     def summary(self) -> str:
         text = f"{self.cache_entries} input signature(s), {self.compilations} compilation(s) in {self.compile_seconds:.1f} s"
+        if self.cpu_probe_seconds >= CPU_PROBE_NOTE_SECONDS:
+            text += (f", after torch's one-time probe of this CPU's vector instructions ({self.cpu_probe_seconds:.1f} s, "
+                     "kept in torch's own cache folder for later processes)")
         if self.recompile_reasons:
             text += "; recompiled because: " + " | ".join(dict.fromkeys(self.recompile_reasons))
         if self.weight_rebinds:
@@ -831,6 +839,22 @@ class _TorchCacheRouting:
         self.forget_memoized()
 
 
+def probe_cpu_vector_isa() -> float:
+    """Seconds spent on torch's CPU vector-instruction probe, asked for here where it is cheapest.
+
+    inductor dry-compiles and loads a test library per x86 vector ISA (AVX2, AVX-512, ...) in each
+    cache folder it meets and remembers the answer for the process: a few seconds per ISA on a small
+    CPU, paid again in every new sdopt cache entry. Asked outside sdopt's routing, the probe lands in
+    torch's own cache folder once per machine, and every entry after reuses the process's answer."""
+    try:
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    except ImportError:
+        return 0.0
+    started = time.perf_counter()
+    valid_vec_isa_list()
+    return time.perf_counter() - started
+
+
 def _holds_graphs(inductor_dir: str) -> bool:
     """Whether inductor's FX-graph cache in ``inductor_dir`` has any graph in it."""
     try:
@@ -914,8 +938,11 @@ class ArtifactCache:
 
         routing = self.torch_caches()
         stats = compiled.stats
+        probes_cpu = compiled.config.mode != "trace" and compiled.config.backend == "inductor"
 
         def call(*inputs):
+            if not stats.cpu_probed and probes_cpu and _on_cpu(inputs):
+                stats.cpu_probe_seconds, stats.cpu_probed = probe_cpu_vector_isa(), True
             compilations, seconds = stats.compilations, stats.compile_seconds
             lookups = _graph_cache_lookups(counters)
             with routing:

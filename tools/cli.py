@@ -270,7 +270,7 @@ def _soak_command(args: argparse.Namespace) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sdopt", description="sdopt: generated SD1.5 checkpoints, headless profiled ComfyUI runs, benchmarks."
+        prog="sdopt", description="sdopt: generated checkpoints (SD1.5, SDXL, SD3.5, Flux), headless profiled ComfyUI runs, benchmarks, planner, doctor."
     )
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -253,14 +253,45 @@ def test_torch_caches_point_torch_at_the_entry_only_inside_and_respect_the_users
     assert f"your {INDUCTOR_CACHE_VAR}={tmp_path / 'mine'}, which `python -m sdopt cache purge` leaves alone" in users.note()
 
 
+class _Forward:
+    """What ``ArtifactCache.wrap`` reads of a ``CompiledForward``: its config and stats."""
+
+    def __init__(self, config: CompileConfig):
+        self.config = config
+        self.stats = CompileStats()
+
+    def __call__(self, *inputs):
+        return inputs
+
+
+def test_the_cpu_probe_is_asked_once_in_torchs_own_folder_not_in_the_entry(tmp_path, monkeypatch):
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir as torch_default
+
+    monkeypatch.delenv(INDUCTOR_CACHE_VAR, raising=False)
+    asked_in = []
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: asked_in.append(cache_dir()) or [])
+    for config in (CompileConfig(mode="trace"), CompileConfig(backend="aot_eager")):
+        ArtifactCache.for_module(torch.nn.Conv2d(1, 1, 1), config, tmp_path).wrap(_Forward(config))(torch.zeros(1))
+    assert asked_in == [], "only inductor compiles C++ for a CPU"
+
+    forward = _Forward(CompileConfig(mode="compile_regional"))
+    cache = ArtifactCache.for_module(torch.nn.Conv2d(1, 1, 1), forward.config, tmp_path)
+    wrapped = cache.wrap(forward)
+    wrapped(None, torch.zeros(1, device="meta"))
+    assert asked_in == [], "no CPU input, no C++ kernel"
+    wrapped(None, torch.zeros(1))
+    wrapped(torch.zeros(1))
+    assert asked_in == [os.path.abspath(torch_default())] and forward.stats.cpu_probed
+
+    forward.stats.cpu_probe_seconds = 6.8
+    assert "after torch's one-time probe of this CPU's vector instructions (6.8 s" in forward.stats.summary()
+    forward.stats.cpu_probe_seconds = 0.01
+    assert "probe" not in forward.stats.summary(), "an answer read from the folder is not worth a word"
+
+
 def test_the_wrapped_call_costs_microseconds(tmp_path):
-    class Forward:
-        stats = CompileStats()
-
-        def __call__(self, *inputs):
-            return inputs
-
-    bare = Forward()
+    bare = _Forward(CompileConfig())
     wrapped = ArtifactCache.for_module(torch.nn.Conv2d(1, 1, 1), CompileConfig(), tmp_path).wrap(bare)
     inputs = (torch.zeros(1),) * 4
     per_call = {name: min(timeit.repeat(lambda: fn(*inputs), number=2000, repeat=5)) / 2000 for name, fn in (("bare", bare), ("wrapped", wrapped))}
