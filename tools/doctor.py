@@ -734,8 +734,10 @@ def _always_rows(ctx: Context) -> list[CheckRow]:
     rows = [
         _node_row("sdopt Tiled VAE", [f"tiled decode/encode, auto tile from {_gib(budget)} free {memory}"], {}, "", "optim.tiled_vae.free_memory on this device"),
         _node_row("sdopt Low Memory", ["sequential cfg, chunked GroupNorm/conv/feed-forward (those the model has), low_memory attention"], {}, "", "nothing to check: torch only"),
-        _node_row("sdopt Step Cache", ["deepcache on UNets (SD1.5, SDXL), alone or under Compile and CUDA Graph"], {}, "",
-                  "nothing to check: torch only; the model decides (a UNet with down, middle and up blocks)"),
+        _node_row("sdopt Step Cache", ["deepcache on UNets (SD1.5, SDXL), alone or under Compile and CUDA Graph",
+                                       "first_block on diffusion transformers (SD3.5, Flux), beside regional Compile"], {}, "",
+                  "nothing to check: torch only; the model decides (deepcache: a UNet with down, middle and up blocks; "
+                  "first_block: a chain of transformer blocks)"),
     ]
     chart = importlib.util.find_spec("matplotlib") is not None
     rows.append(_node_row("sdopt Profiler", [f"step times, steady it/s, peak {memory}"], {}, "", "nothing to check: torch only"))
