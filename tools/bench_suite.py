@@ -103,7 +103,7 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
         skipped = {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING}
         return {**skipped, "precision": DRY_PRECISION_SKIP} if "precision" in rungs else skipped
     phases = [
-        Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 150),
+        Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 180),
         Phase(2, "doctor", "sdopt doctor", "run_doctor", 45, {"comfyui": comfyui}),
         Phase(3, "speed", f"bench speed: the SD1.5 ladder ({model})", "run_speed", 300,
               {**common, "model": model, **speed, "rungs": SPEED_LADDER, "skip_rungs": skip_rungs(SPEED_LADDER)}),
@@ -111,7 +111,7 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
               {**common, "model": model, **speed, "rungs": COMPETITORS, "skip_rungs": skip_rungs(COMPETITORS)}),
         Phase(5, "speed-sdxl", f"bench speed: the SDXL ladder ({sdxl_model})", "run_speed", 300,
               {**common, "model": sdxl_model, "size": 1024, "steps": 20, "rounds": 2, "rungs": SDXL_LADDER, "skip_rungs": {}}),
-        Phase(6, "attention", "bench attention: every backend", "run_attention", 60,
+        Phase(6, "attention", "bench attention: every backend", "run_attention", 30,
               {"tokens": [64, 256], "dtype": "fp32", "device": "cpu"} if dry_run else
               {"tokens": [1024, 4096, 16384], "dtype": "fp16", "device": "cuda"}),
         Phase(7, "vae", "VAE decode on the device, with an injected out-of-memory retry", "run_vae", 90,

@@ -430,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--check", action="store_true", help=(
         "instead of a plan: the predicted peaks of the CPU accuracy cases (full VAE decode 512-2048, mini UNet step "
         "512 and 1024, sdxl-mini UNet step 512-2048, every stage of sd35-mini and flux-mini) against real runs, "
-        "each in a fresh process"))
+        "each in a fresh process: peak RSS on this CPU, or with --workspace cuda torch's peak allocated memory on the GPU "
+        "(give --dtype fp16 or bf16 there)"))
     plan.add_argument("--repeats", type=int, default=3, help="--check: fresh processes per case (the median counts)")
     plan.add_argument("--max-size", type=int, default=2048, help="--check: leave out larger cases (the untiled 2048 decode needs 16 GiB)")
     plan.set_defaults(handler=_plan)

@@ -26,7 +26,10 @@ baseline holds the interpreter, the libraries, the weights, the inputs and what 
 library sets up once (oneDNN primitives, OpenMP threads, MKL buffers: 60-120 MiB, which `bench vae`
 leaves in its baseline too): the measured figure is what the planner predicts, the stage's working
 memory. glibc's heap reuse makes that figure vary by about 15% from one fresh process to the next,
-so ``check_predictions`` (``python -m sdopt plan --check``) takes the median of several.
+so ``check_predictions`` (``python -m sdopt plan --check``) takes the median of several. With
+``--workspace cuda`` the check builds and runs the stage on the GPU in the planned dtype and measures
+what torch's allocator hands out at the stage's peak beyond what it held before (``max_memory_allocated``
+after a reset): the figure a VRAM budget is about, exact from one run to the next.
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from ..errors import UserError
 from ..families import MODEL_NAMES, FluxConfig, MMDiTConfig, UNetConfig, checkpoint_config, resolve_model
 from ..measure.profiler import peak_rss_growth
 from ..measure.report import markdown_table
+from ..optim.heap_trim import trim_heap
 from ..optim.lowmem import LowMemConfig
 from ..optim.memory_plan import (
     MemoryPlanConfig,
@@ -63,6 +67,7 @@ from .modelgen import (
     diffusers_vae_config,
     transformers_clip_text_config,
 )
+from .progress import progress_bar
 
 MODELS = MODEL_NAMES
 TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE = "text encode", "UNet step", "VAE decode", "VAE encode"
@@ -524,7 +529,10 @@ def run_plan(args) -> None:
         if args.model is not None and not any(case[0] == args.model for case in CHECK_CASES):
             raise UserError(f"--check --model {args.model!r}: the checked models are "
                             f"{', '.join(dict.fromkeys(case[0] for case in CHECK_CASES))}")
-        rows = check_predictions(cases, args.repeats)
+        if args.workspace == "cuda" and not torch.cuda.is_available():
+            raise UserError("--check --workspace cuda measures on a GPU, and torch sees none here; "
+                            "leave --workspace out to check the CPU model on this CPU")
+        rows = check_predictions(cases, args.repeats, args.dtype, args.workspace)
         print(check_table(rows))
         if args.json:
             args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=2))
@@ -566,30 +574,47 @@ def plan_table(plan: Plan) -> str:
 # --- measurement -----------------------------------------------------------------------------------
 
 
+def _allocated_growth(fn, device: torch.device) -> int:
+    """Bytes ``fn()`` adds at its peak to what torch's CUDA allocator had handed out before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
 def _measure_here(spec: dict) -> dict:
-    """One real stage (random weights, stock settings) in this process: the growth of peak RSS while it runs."""
+    """One real stage (random weights, stock settings) in this process: on a CPU the growth of peak
+    RSS while it runs, on a GPU the growth of torch's peak allocated memory."""
     torch.manual_seed(0)
     # The VAE's config gives the latent shape to every stage; nothing else is built that the stage does not run.
-    model = spec["model"]
-    modules = build_modules(model, "cpu", tuple({_STAGE_MODEL[spec["stage"]], "vae"}))
-    make = lambda shape, dtype: torch.randn(shape) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+    model, device, dtype = spec["model"], torch.device(spec.get("device", "cpu")), DTYPES[spec.get("dtype", "fp32")]
+    modules = {name: m.to(dtype) for name, m in build_modules(model, device, tuple({_STAGE_MODEL[spec["stage"]], "vae"})).items()}
+    if dtype != torch.float32:
+        trim_heap()  # the fp32 weights the conversion freed would otherwise serve the stage unseen
+    make = lambda shape, dtype: (torch.randn(shape, device=device, dtype=dtype) if dtype.is_floating_point
+                                 else torch.zeros(shape, dtype=dtype, device=device))
     with torch.inference_mode():  # the libraries' one-time set-up belongs to the baseline
-        warm_up, warm_up_inputs = stage_call(model, spec["stage"], modules, _WARM_UP_SIZE, _WARM_UP_SIZE, torch.float32, make,
+        warm_up, warm_up_inputs = stage_call(model, spec["stage"], modules, _WARM_UP_SIZE, _WARM_UP_SIZE, dtype, make,
                                              prompt_tokens=_WARM_UP_TOKENS)
         warm_up(*warm_up_inputs)
     del warm_up, warm_up_inputs
-    fn, inputs = stage_call(model, spec["stage"], modules, spec["width"], spec["height"], torch.float32, make)
-    # The high-water mark of building the models and warming up is not the stage's: it is reset.
+    fn, inputs = stage_call(model, spec["stage"], modules, spec["width"], spec["height"], dtype, make)
     with torch.inference_mode():
+        if device.type == "cuda":
+            return {"measured_bytes": _allocated_growth(lambda: fn(*inputs), device)}
+        # The high-water mark of building the models and warming up is not the stage's: it is reset.
         _, _, growth = peak_rss_growth(lambda: fn(*inputs))
     return {"measured_bytes": growth}
 
 
-def measure_stage(model: str, stage: str, width: int, height: int) -> int:
-    """Peak RSS growth in bytes of one real run of ``stage`` with stock settings in a fresh process (Linux only)."""
-    if not _PROC_STATUS.exists():
-        raise UserError("measuring reads /proc/self/status: it needs Linux")
-    spec = {"model": architecture(model), "stage": stage, "width": width, "height": height}
+def measure_stage(model: str, stage: str, width: int, height: int, dtype: str = "fp32", device: str = "cpu") -> int:
+    """Working-memory growth in bytes of one real run of ``stage`` with stock settings in a fresh
+    process: peak RSS on a CPU (Linux only), torch's peak allocated memory on a GPU."""
+    if device == "cpu" and not _PROC_STATUS.exists():
+        raise UserError("measuring on a CPU reads /proc/self/status: it needs Linux")
+    spec = {"model": architecture(model), "stage": stage, "width": width, "height": height, "dtype": dtype, "device": device}
     done = subprocess.run([sys.executable, "-m", __spec__.name, json.dumps(spec)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"measuring {stage} at {width}x{height} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
@@ -618,14 +643,17 @@ class CheckRow:
         return {**asdict(self), "median_bytes": self.median_bytes, "error": self.error}
 
 
-def check_predictions(cases=CHECK_CASES, repeats: int = 3) -> list[CheckRow]:
-    """Each case's stock-setting prediction against ``repeats`` measurements, each in a fresh process."""
+def check_predictions(cases=CHECK_CASES, repeats: int = 3, dtype: str = "fp32", workspace: str = "cpu") -> list[CheckRow]:
+    """Each case's stock-setting prediction against ``repeats`` measurements, each in a fresh process:
+    on the GPU for the ``cuda`` workspace model, else on the CPU."""
+    device = "cuda" if workspace == "cuda" else "cpu"
     planners: dict[str, Planner] = {}
     rows = []
-    for model, stage, size in cases:
-        planner = planners.setdefault(model, Planner(model))
+    for model, stage, size in progress_bar(cases, desc=f"plan --check ({device}, {dtype})", unit="case"):
+        planner = planners.setdefault(model, Planner(model, dtype, workspace))
         predicted = planner.predict(stage, SETTINGS[stage][0], size, size).peak_bytes
-        rows.append(CheckRow(model, stage, size, predicted, [measure_stage(model, stage, size, size) for _ in range(repeats)]))
+        measured = [measure_stage(model, stage, size, size, dtype, device) for _ in range(repeats)]
+        rows.append(CheckRow(model, stage, size, predicted, measured))
     return rows
 
 

@@ -180,11 +180,37 @@ def test_check_takes_the_cases_of_one_model(capsys, monkeypatch):
     from sdopt.tools import plan as plan_module
 
     asked = []
-    monkeypatch.setattr(plan_module, "check_predictions", lambda cases, repeats: asked.extend(cases) or [])
+    monkeypatch.setattr(plan_module, "check_predictions", lambda cases, repeats, dtype, workspace: asked.extend(cases) or [])
     assert main(["plan", "--check", "--model", "sdxl-mini"]) == 0
     assert [(model, stage) for model, stage, _ in asked] == [("sdxl-mini", UNET_STEP)] * 3
     assert sorted(size for *_, size in asked) == [512, 1024, 2048]
     assert "the checked models are mini, full, sdxl-mini, sd35-mini, flux-mini" in _one_line_error(capsys, ["plan", "--check", "--model", "sdxl-full"])
+
+
+def test_check_on_the_gpu_needs_one(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--check --workspace cuda measures on a GPU, and torch sees none here" in _one_line_error(
+        capsys, ["plan", "--check", "--workspace", "cuda", "--dtype", "fp16"])
+
+
+def test_a_measurement_on_the_gpu_is_the_growth_of_torchs_peak_allocation(monkeypatch):
+    """What the GPU check reads, on a fake of torch's CUDA allocator statistics: the stage's peak
+    over what was allocated before it, after the peak is reset."""
+    from sdopt.tools import plan as plan_module
+
+    state = {"allocated": 500, "peak": 9_000}
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(peak=state["allocated"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+
+    def stage():
+        calls.append("stage")
+        state["peak"] = max(state["peak"], state["allocated"] + 300)
+
+    assert plan_module._allocated_growth(stage, torch.device("cuda")) == 300, "the peak before the stage is not the stage's"
+    assert calls == ["sync", "stage", "sync"], "the stage's kernels have finished before the peak is read"
 
 
 # --- the diffusion transformers (SD3.5, Flux) -------------------------------------------------------

@@ -1,0 +1,14 @@
+"""The planner against the GPU: each family's UNet step and the VAE decode at 1024² in fp16, the
+prediction for the ``cuda`` workspace against torch's peak allocated memory of a real run (issues 16
+and 17: within ±20%)."""
+from sdopt.tools.plan import UNET_STEP, VAE_DECODE, check_predictions, check_table
+
+PLANNER_TOLERANCE = 0.20
+CASES = (("mini", UNET_STEP, 1024), ("sdxl-mini", UNET_STEP, 1024), ("sd35-mini", UNET_STEP, 1024),
+         ("flux-mini", UNET_STEP, 1024), ("full", VAE_DECODE, 1024))
+
+
+def test_the_planner_predicts_each_familys_vram_peak_within_a_fifth():
+    rows = check_predictions(CASES, repeats=1, dtype="fp16", workspace="cuda")
+    print(check_table(rows))
+    assert all(abs(row.error) <= PLANNER_TOLERANCE for row in rows), check_table(rows)
