@@ -317,7 +317,8 @@ def _skips(skipped: dict[str, str]) -> list[dict]:
 
 def run_gpu_tests(out: Path, phase: Phase) -> dict:
     report = out / f"{phase.stem}.junit.xml"
-    command = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    # -rP: what passing tests print (their figures) lands in the phase's log too
+    command = [sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rP", "-p", "no:cacheprovider", f"--junitxml={report}"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     print(done.stdout[-20000:], done.stderr[-4000:], sep="\n")
     if not report.exists():
