@@ -1,4 +1,5 @@
-"""Install metadata that ComfyUI-Manager and the Comfy Registry read from ``[tool.comfy]``."""
+"""Install metadata: what ComfyUI-Manager and the Comfy Registry read from ``[tool.comfy]``, and the
+packages a ``pip install`` ships."""
 import re
 from pathlib import Path
 from urllib.parse import urlparse
@@ -32,3 +33,11 @@ def test_icon_is_a_file_of_this_repository_within_the_registrys_limits(pyproject
     assert icon.suffix in (".svg", ".png", ".jpg", ".gif") and icon.is_file(), icon
     width, height = (int(re.search(rf'{side}="(\d+)"', icon.read_text()).group(1)) for side in ("width", "height"))
     assert width <= 800 and height <= 400
+
+
+def test_every_package_of_the_source_tree_is_installed(pyproject):
+    """The package list is explicit (the repository root is the package): a subpackage left out of it
+    is missing from every wheel, and its imports fail only after a pip install."""
+    packages = {".".join(("sdopt", *init.parent.relative_to(REPO).parts)) for init in REPO.rglob("__init__.py")
+                if not any(part.startswith(".") or part in ("tests", "build") for part in init.relative_to(REPO).parts)}
+    assert packages == set(pyproject["tool"]["setuptools"]["packages"])
