@@ -41,3 +41,9 @@ def test_every_package_of_the_source_tree_is_installed(pyproject):
     packages = {".".join(("sdopt", *init.parent.relative_to(REPO).parts)) for init in REPO.rglob("__init__.py")
                 if not any(part.startswith(".") or part in ("tests", "build") for part in init.relative_to(REPO).parts)}
     assert packages == set(pyproject["tool"]["setuptools"]["packages"])
+
+
+def test_requirements_txt_is_the_projects_dependency_list(pyproject):
+    """ComfyUI-Manager and the Comfy Registry install requirements.txt, pip the [project] list."""
+    lines = [line.strip() for line in (REPO / "requirements.txt").read_text().splitlines()]
+    assert [line for line in lines if line and not line.startswith("#")] == pyproject["project"]["dependencies"]
