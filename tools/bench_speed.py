@@ -72,6 +72,10 @@ FP8_MATMUL_RUNG = "fp8_matmul"
 # mini at 256², 4 steps, on a CPU: 48.8 / 6.9 levels from eager fp8).
 FP8_COMPILED_RUNG = "fp8_matmul+compile+graph"
 OFFERED_RUNGS = RUNGS + (COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE, FP8_MATMUL_RUNG, FP8_COMPILED_RUNG) + CACHE_RUNGS
+# The rungs that compile with inductor: before the first of them runs, a tiny compile pays torch's
+# per-process start-up (compile workers, precompiled header, imports), so no rung's compile time holds it.
+COMPILING_RUNGS = ("compile", "compile+graph", COMPILE_ALONE, COMPILE_REGIONAL, CHANNELS_LAST, "TorchCompileModel", DIFFUSERS_COMPILE,
+                   COMPILED_CACHE, COMPILED_EASYCACHE, FP8_COMPILED_RUNG)
 SAMPLING_SPAN = "sdopt.bench: sampler"
 CHANNELS_LAST_EAGER = "attention+channels_last"
 
@@ -136,6 +140,7 @@ class SpeedRow:
     mean_pixel_diff_vs_eager: float | None = None
     within_tolerance: bool | None = None  # of IMAGE_TOLERANCE, against the eager twin
     psnr_vs_eager_db: float | None = None  # the approximate rungs' (step caches) PSNR against their uncached twin
+    inductor_start_up_s: float | None = None  # stock's row: the tiny compile run before the first compiling rung
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -358,6 +363,7 @@ def bench_speed(
     built.update(_diffusers_rungs(base, path, model, [n for n in names if n in (DIFFUSERS, DIFFUSERS_COMPILE)]))
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
     twins = {rung.eager: rung.eager_model for rung in built.values() if rung.eager and rung.eager not in built}
+    start_up_s = warm_inductor(torch.device(base.load_device)) if any(n in COMPILING_RUNGS for n in names) else None
     bar = progress_bar(total=len(names) * (rounds + 1 + profile) + len(twins), desc=f"speed {path.stem} {size}px {steps} steps", unit="run", disable=not progress)
     for name in names:
         samples, run, wall = sample_rung(host, built[name], name, latent, conds, steps)
@@ -402,8 +408,22 @@ def bench_speed(
             eager_twin=eager, max_pixel_diff_vs_eager=vs_eager[0], mean_pixel_diff_vs_eager=vs_eager[1],
             within_tolerance=IMAGE_TOLERANCE.admits(*vs_eager) if eager and not approximate else None,
             psnr_vs_eager_db=image_psnr(images[name], images[eager]) if approximate else None,
+            inductor_start_up_s=start_up_s if name == STOCK else None,
         ))
     return rows
+
+
+def warm_inductor(device: torch.device) -> float | None:
+    """Seconds of doctor's tiny inductor compile on ``device``; None where it cannot compile (the
+    compiling rungs then say why in their records)."""
+    from .doctor import compile_trial
+
+    started = time.perf_counter()
+    try:
+        compile_trial(device)
+    except Exception:  # no compiler or no Triton: each compiling rung's node reports it
+        return None
+    return time.perf_counter() - started
 
 
 def speed_table(rows: list[SpeedRow]) -> str:
@@ -418,6 +438,10 @@ def speed_table(rows: list[SpeedRow]) -> str:
     notes = [f"- **{r.rung}** ({r.nodes}): {r.notes or 'stock ComfyUI'}" for r in rows]
     tolerance = (f"Eager twin: the same nodes without trace, compile or graph; tolerance: at most {IMAGE_TOLERANCE.max_levels:g} "
                  f"levels of 0–255 anywhere and {IMAGE_TOLERANCE.mean_levels:g} on average.")
+    start_up = [r.inductor_start_up_s for r in rows if r.inductor_start_up_s is not None]
+    if start_up:
+        tolerance += (f" Before the first compiling rung a tiny compile took {start_up[0]:.1f} s, torch's per-process start-up: "
+                      "no rung's compile time holds it (a later rung may still reuse kernels an earlier one compiled).")
     return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7, 8}) + ["", *notes, "", tolerance])
 
 

@@ -43,6 +43,7 @@ import torch
 
 from ..errors import UserError
 from ..measure.report import markdown_table
+from .bench_speed import COMPILING_RUNGS
 
 PHASE_LIMIT_S = 9 * 60
 SUITE_LIMIT_S = 40 * 60
@@ -58,8 +59,6 @@ SPEED_LADDER = ["stock", "precision", "attention", "trace", "compile", "graph", 
 COMPETITORS = ["stock", "compile+graph+channels_last", "TorchCompileModel", "diffusers", "diffusers+compile"]
 SDXL_LADDER = ["stock", "attention", "compile+graph+channels_last", "TorchCompileModel"]
 CACHES = ["stock", "compile+graph", "cache", "compile+graph+cache", "EasyCache", "compile+graph+EasyCache"]
-COMPILING = ("compile", "compile+graph", "compile+graph+channels_last", "TorchCompileModel", "diffusers+compile", "compile+graph+cache",
-             "compile+graph+EasyCache")
 CPU_COMPILE_SKIP = "left out of the dry run: each compile of the UNet takes a minute or more on a CPU"
 DRY_PRECISION_SKIP = "left out of the dry run: the attention rung runs the same Precision node beneath it"
 
@@ -100,7 +99,7 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
     def skip_rungs(rungs):
         if not dry_run:
             return {}
-        skipped = {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING}
+        skipped = {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING_RUNGS}
         return {**skipped, "precision": DRY_PRECISION_SKIP} if "precision" in rungs else skipped
     phases = [
         Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 180),

@@ -377,7 +377,7 @@ def _compile_subject(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.gelu(x @ w) + x.sin()
 
 
-def _compile_trial(device: torch.device) -> float:
+def compile_trial(device: torch.device) -> float:
     """Compile ``_compile_subject`` with inductor (a fresh code object, so it really compiles), run
     it, and return its largest difference from eager."""
     from ..optim.compile import with_private_code
@@ -409,7 +409,7 @@ def check_inductor(ctx: Context) -> list[CheckRow]:
         return [CheckRow("inductor", tried, UNAVAILABLE, reason, fix + " (sdopt Compile: backend aot_eager or eager, or mode trace)")]
     started = time.perf_counter()
     try:
-        error = _compile_trial(device)
+        error = compile_trial(device)
     except Exception as failure:
         if device.type == "cuda":
             fix = f"install the Triton that matches torch {torch.__version__} (pip install -U triton; on Windows: pip install triton-windows)"

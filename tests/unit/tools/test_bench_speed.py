@@ -1,9 +1,12 @@
 """bench speed's image check: the difference of two images in levels of 0–255, and the tolerance
-a traced, compiled or graphed rung's image must keep to its eager twin's."""
+a traced, compiled or graphed rung's image must keep to its eager twin's; the inductor warm-up
+before the first compiling rung."""
 import pytest
 import torch
 
-from sdopt.tools.bench_speed import IMAGE_TOLERANCE, ImageTolerance, pixel_difference
+from sdopt.measure.profiler import MEMORY_RAM
+from sdopt.tools import doctor
+from sdopt.tools.bench_speed import IMAGE_TOLERANCE, ImageTolerance, SpeedRow, pixel_difference, speed_table, warm_inductor
 
 
 def test_difference_is_in_levels_of_255():
@@ -29,3 +32,28 @@ def test_a_stale_weight_image_is_out_of_the_shipped_tolerance():
     stale = torch.rand(1, 64, 64, 3, generator=generator)
     assert not IMAGE_TOLERANCE.admits(*pixel_difference(stale, eager))
     assert IMAGE_TOLERANCE.admits(*pixel_difference((eager + 1 / 255).clamp(0, 1), eager))
+
+
+def test_inductor_is_warmed_by_a_real_tiny_compile_or_says_it_could_not(monkeypatch):
+    compiled = []
+    real = doctor.compile_trial
+    monkeypatch.setattr(doctor, "compile_trial", lambda device: compiled.append(device) or real(device))
+    seconds = warm_inductor(torch.device("cpu"))
+    assert compiled == [torch.device("cpu")] and seconds > 0
+
+    def no_compiler(device):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(doctor, "compile_trial", no_compiler)
+    assert warm_inductor(torch.device("cpu")) is None
+
+
+def _row(rung: str, start_up_s=None) -> SpeedRow:
+    return SpeedRow(rung=rung, nodes="—", steady_it_per_s=1.0, speedup_median=1.0, speedup_min=1.0, speedup_max=1.0,
+                    first_run_s=1.0, compile_s=0.0, sampler_s=1.0, decode_s=0.1, end_to_end_s=1.1, peak_memory_bytes=2**20,
+                    memory_kind=MEMORY_RAM, max_pixel_diff=0.0, device="cpu", inductor_start_up_s=start_up_s)
+
+
+def test_the_table_says_the_start_up_was_paid_before_the_rungs():
+    assert "tiny compile took 2.4 s" in speed_table([_row("stock", 2.4), _row("compile")])
+    assert "tiny compile" not in speed_table([_row("stock"), _row("graph")]), "no compiling rung, no warm-up"

@@ -205,7 +205,7 @@ def test_a_backend_that_raises_or_differs_from_sdpa(extra_backend):
 
 def test_inductor_compiles_and_matches_eager(monkeypatch):
     calls = []
-    monkeypatch.setattr(doctor, "_compile_trial", lambda device: calls.append(device) or 2e-7)
+    monkeypatch.setattr(doctor, "compile_trial", lambda device: calls.append(device) or 2e-7)
     monkeypatch.setattr(doctor, "_cpp_compiler", lambda: "/usr/bin/g++")
     row = one(doctor.check_inductor(ctx()), "inductor")
     assert calls == [CPU] and row.status == OK and "/usr/bin/g++" in row.result
@@ -213,7 +213,7 @@ def test_inductor_compiles_and_matches_eager(monkeypatch):
 
 def test_inductor_without_a_cpp_compiler(monkeypatch):
     monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
-    monkeypatch.setattr(doctor, "_compile_trial", lambda device: pytest.fail("must not compile without a compiler"))
+    monkeypatch.setattr(doctor, "compile_trial", lambda device: pytest.fail("must not compile without a compiler"))
     row = one(doctor.check_inductor(ctx()), "inductor")
     assert row.status == UNAVAILABLE and "C++ compiler" in row.result
     assert_fix(row, "install g++ or clang++", "trace")
@@ -223,11 +223,11 @@ def test_inductor_whose_compile_fails_or_is_wrong(monkeypatch):
     def fails(device):
         raise RuntimeError("CppCompileError: C++ compile error: fatal error: Python.h: No such file or directory")
 
-    monkeypatch.setattr(doctor, "_compile_trial", fails)
+    monkeypatch.setattr(doctor, "compile_trial", fails)
     row = one(doctor.check_inductor(ctx()), "inductor")
     assert row.status == FAILED and "Python.h" in row.result
     assert_fix(row, "C++ compiler", "aot_eager")
-    monkeypatch.setattr(doctor, "_compile_trial", lambda device: 0.5)
+    monkeypatch.setattr(doctor, "compile_trial", lambda device: 0.5)
     assert_fix(one(doctor.check_inductor(ctx()), "inductor"), "mode trace")
 
 
