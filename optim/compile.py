@@ -846,12 +846,13 @@ def probe_cpu_vector_isa() -> float:
     cache folder it meets and remembers the answer for the process: a few seconds per ISA on a small
     CPU, paid again in every new sdopt cache entry. Asked outside sdopt's routing, the probe lands in
     torch's own cache folder once per machine, and every entry after reuses the process's answer."""
+    started = time.perf_counter()
     try:
         from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-    except ImportError:
+
+        valid_vec_isa_list()
+    except Exception:  # a torch without it, or a probe that breaks: the compile asks again and reports
         return 0.0
-    started = time.perf_counter()
-    valid_vec_isa_list()
     return time.perf_counter() - started
 
 

@@ -289,6 +289,14 @@ def test_the_cpu_probe_is_asked_once_in_torchs_own_folder_not_in_the_entry(tmp_p
     forward.stats.cpu_probe_seconds = 0.01
     assert "probe" not in forward.stats.summary(), "an answer read from the folder is not worth a word"
 
+    def broken_probe():
+        raise RuntimeError("the probe's compiler crashed")
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", broken_probe)
+    other = _Forward(CompileConfig())
+    assert ArtifactCache.for_module(torch.nn.Conv2d(3, 1, 1), other.config, tmp_path).wrap(other)(torch.ones(1))[0].item() == 1
+    assert other.stats.cpu_probed and other.stats.cpu_probe_seconds == 0.0, "a broken probe never stops the compile"
+
 
 def test_the_wrapped_call_costs_microseconds(tmp_path):
     bare = _Forward(CompileConfig())
