@@ -45,7 +45,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 from ..errors import UserError
 from ..families import MODEL_NAMES, FluxConfig, MMDiTConfig, UNetConfig, checkpoint_config, resolve_model
-from ..measure.profiler import peak_rss_growth
+from ..measure.profiler import PeakMemory, peak_rss_growth
 from ..measure.report import markdown_table
 from ..optim.heap_trim import trim_heap
 from ..optim.lowmem import LowMemConfig
@@ -576,12 +576,11 @@ def plan_table(plan: Plan) -> str:
 
 def _allocated_growth(fn, device: torch.device) -> int:
     """Bytes ``fn()`` adds at its peak to what torch's CUDA allocator had handed out before it."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    memory = PeakMemory(device)
+    memory.reset()
     before = torch.cuda.memory_allocated(device)
     fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return memory.read().peak_bytes - before
 
 
 def _measure_here(spec: dict) -> dict:
@@ -650,7 +649,9 @@ def check_predictions(cases=CHECK_CASES, repeats: int = 3, dtype: str = "fp32", 
     planners: dict[str, Planner] = {}
     rows = []
     for model, stage, size in progress_bar(cases, desc=f"plan --check ({device}, {dtype})", unit="case"):
-        planner = planners.setdefault(model, Planner(model, dtype, workspace))
+        if model not in planners:
+            planners[model] = Planner(model, dtype, workspace)
+        planner = planners[model]
         predicted = planner.predict(stage, SETTINGS[stage][0], size, size).peak_bytes
         measured = [measure_stage(model, stage, size, size, dtype, device) for _ in range(repeats)]
         rows.append(CheckRow(model, stage, size, predicted, measured))

@@ -204,6 +204,7 @@ def test_a_measurement_on_the_gpu_is_the_growth_of_torchs_peak_allocation(monkey
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: state.update(peak=state["allocated"]))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["allocated"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: state["peak"])
 
     def stage():
         calls.append("stage")
