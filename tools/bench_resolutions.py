@@ -6,7 +6,11 @@ One process, one booted ComfyUI, one checkpoint, ComfyUI's own KSampler (``commo
 - **stock**: checkpoint → KSampler → VAEDecode;
 - **sdopt**: the same, with the model through SDOptLowMemory (256 MiB) and SDOptOffload (budget,
   1024 MiB of UNet weights in VRAM; a recorded no-op on a CPU) and the VAE through SDOptTiledVAE
-  (auto tile, only when the untiled decode would not fit).
+  (auto tile, only when the untiled decode would not fit). With ``low_memory="when-needed"``,
+  SDOptLowMemory is wired only where the planner predicts that the step does not fit without it:
+  Offload and an untiled decode change no number, so such a cell gives stock's uncapped image
+  exactly, where Low Memory's sequential CFG and chunked ops run other kernels, which round differently
+  in half precision.
 
 Before a cell runs, ``tools.plan``'s planner predicts its peak (UNet step and VAE decode under the
 stack's settings, from fake tensors) in the terms the cell's peak is measured in: what is allocated
@@ -44,16 +48,22 @@ from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, a
 from .progress import progress_bar
 
 STOCK, SDOPT = "stock", "sdopt"
+SDOPT_PLAIN = "sdopt without Low Memory"  # a model stack, not a table column: sdopt's cells when Low Memory is not needed
 OK, OUT_OF_MEMORY, PREDICTED_OOM = "ok", "out of memory", "predicted OOM"
 LOWMEM_BUDGET_MB, OFFLOAD_BUDGET_MB = 256, 1024
+LOW_MEMORY_ALWAYS, LOW_MEMORY_WHEN_NEEDED = "always", "when-needed"
+LOW_MEMORY_CHOICES = (LOW_MEMORY_ALWAYS, LOW_MEMORY_WHEN_NEEDED)
 
 
-def stack_chains(offload_mb: int) -> dict[str, str]:
+def stack_chains(offload_mb: int, low_memory: str = LOW_MEMORY_ALWAYS) -> dict[str, str]:
     """What each stack wires; ``offload_mb`` 0 streams the whole UNet (Offload's sequential mode)."""
     offload = f"budget {offload_mb} MiB" if offload_mb else "sequential"
+    lowmem = f"LowMemory({LOWMEM_BUDGET_MB} MiB)"
+    if low_memory == LOW_MEMORY_WHEN_NEEDED:
+        lowmem += " where the step is predicted not to fit without it"
     return {
         STOCK: "CheckpointLoader → KSampler → VAEDecode",
-        SDOPT: f"LowMemory({LOWMEM_BUDGET_MB} MiB) → Offload({offload}) → KSampler → TiledVAE(auto) → VAEDecode",
+        SDOPT: f"{lowmem} → Offload({offload}) → KSampler → TiledVAE(auto) → VAEDecode",
     }
 _MiB = 2**20
 
@@ -80,6 +90,7 @@ class ResolutionRow:
     psnr_vs_uncapped_db: float | None = None  # against stock's with the cap lifted (--against-uncapped)
     vram_cap_bytes: int | None = None  # --vram-cap in force
     offload_mb: int = OFFLOAD_BUDGET_MB  # the sdopt stack's Offload budget; 0: sequential
+    low_memory: str = LOW_MEMORY_ALWAYS  # whether the sdopt stack wires Low Memory always or when needed
     notes: str = ""
 
     @property
@@ -97,15 +108,19 @@ def should_run(predicted_peak_bytes: int, budget_bytes: int, confirm: bool, on_g
 
 
 def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_bytes: int,
-                 weights_on_device: bool, offload_mb: int = OFFLOAD_BUDGET_MB) -> tuple[int, str]:
+                 weights_on_device: bool, offload_mb: int = OFFLOAD_BUDGET_MB,
+                 low_memory: str = LOW_MEMORY_ALWAYS) -> tuple[int, str]:
     """(predicted peak bytes, the settings it assumed) of one cell: the larger of the UNet step and
     the VAE decode, each the ``allocated_bytes`` already there plus the weights it loads (when
     ``weights_on_device``: a GPU), its inputs and its working peak. The tiled VAE takes the first
-    setting that fits, as its auto tile does."""
+    setting that fits, as its auto tile does; with ``low_memory`` when-needed, so does the sdopt step
+    (plain first, then Low Memory). The settings start with ``UNET_SETTINGS[0]``'s name exactly
+    when the step runs without Low Memory."""
+    lowmem = lowmem_setting(LOWMEM_BUDGET_MB)
     if stack == STOCK:
-        unet_setting, vae_settings, unet_weights = UNET_SETTINGS[0], VAE_SETTINGS[:1], planner.weights["unet"]
+        unet_settings, vae_settings, unet_weights = UNET_SETTINGS[:1], VAE_SETTINGS[:1], planner.weights["unet"]
     else:
-        unet_setting = lowmem_setting(LOWMEM_BUDGET_MB)
+        unet_settings = (UNET_SETTINGS[0], lowmem) if low_memory == LOW_MEMORY_WHEN_NEEDED else (lowmem,)
         resident = offload_mb * _MiB if offload_mb else planner.streamed_unet_bytes
         vae_settings, unet_weights = VAE_SETTINGS, min(planner.weights["unet"], resident)
     loaded = {UNET_STEP: unet_weights, VAE_DECODE: planner.weights["vae"]} if weights_on_device else {UNET_STEP: 0, VAE_DECODE: 0}
@@ -114,7 +129,10 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
         p = planner.predict(stage, setting, size, size)
         return allocated_bytes + loaded[stage] + p.input_bytes + p.peak_bytes
 
-    unet_peak = total(UNET_STEP, unet_setting)
+    for unet_setting in unet_settings:
+        unet_peak = total(UNET_STEP, unet_setting)
+        if unet_peak <= budget_bytes:
+            break
     for vae_setting in vae_settings:
         vae_peak = total(VAE_DECODE, vae_setting)
         if vae_peak <= budget_bytes:
@@ -123,12 +141,15 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
 
 
 def _stacks(host, model, vae, offload_mb: int) -> dict:
-    """{stack: (model, vae)} as the nodes a user would wire make them."""
+    """{stack: (model, vae)} as the nodes a user would wire make them; ``SDOPT_PLAIN`` is the sdopt
+    stack without Low Memory."""
     node = host.node_classes
+
+    def offloaded(m):
+        return node["SDOptOffload"]().patch(m, "budget" if offload_mb else "sequential", offload_mb, "fallback")[0]
     low_memory = node["SDOptLowMemory"]().patch(model, LOWMEM_BUDGET_MB, True, True)[0]
-    offloaded = node["SDOptOffload"]().patch(low_memory, "budget" if offload_mb else "sequential", offload_mb, "fallback")[0]
     tiled = node["SDOptTiledVAE"]().apply(vae, 0, 0, True, 0)[0]
-    return {STOCK: (model, vae), SDOPT: (offloaded, tiled)}
+    return {STOCK: (model, vae), SDOPT: (offloaded(low_memory), tiled), SDOPT_PLAIN: (offloaded(model), tiled)}
 
 
 def _oom_errors(model_management) -> tuple[type[BaseException], ...]:
@@ -203,10 +224,12 @@ def resolution_rows(
     progress: bool = True,
     offload_mb: int = OFFLOAD_BUDGET_MB,
     against_uncapped: bool = False,
+    low_memory: str = LOW_MEMORY_ALWAYS,
 ) -> Iterator[ResolutionRow]:
     """Rows per size, stock then sdopt, each as soon as its cell is done; ``offload_mb`` is the sdopt
     stack's Offload budget (0: sequential). ``against_uncapped``: before each size, stock runs once
-    more with the cap lifted, and both stacks' images are compared with that one too."""
+    more with the cap lifted, and both stacks' images are compared with that one too. ``low_memory``:
+    whether the sdopt stack wires Low Memory always or only where the step needs it."""
     from .headless import boot
 
     if not sizes:
@@ -218,6 +241,8 @@ def resolution_rows(
         raise UserError(f"--steps must be >= 1, not {steps}")
     if offload_mb < 0:
         raise UserError(f"--offload-mb must be >= 0 (0 streams the whole UNet), not {offload_mb}")
+    if low_memory not in LOW_MEMORY_CHOICES:
+        raise UserError(f"--low-memory: {low_memory!r} is not one of {', '.join(LOW_MEMORY_CHOICES)}")
     host = boot(comfyui, vram_cap)
     import comfy.model_management as mm
     path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
@@ -241,9 +266,11 @@ def resolution_rows(
                 uncapped_failures[size] = f"the uncapped reference ran out of memory: {_first_line(error)}"
         allocated = _release(mm, memory)
         budget = _budget(host, memory, allocated)
-        predicted, settings = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu, offload_mb=offload_mb)
+        predicted, settings = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu, offload_mb=offload_mb,
+                                           low_memory=low_memory)
+        wired = SDOPT_PLAIN if stack == SDOPT and settings.startswith(UNET_SETTINGS[0].name + ";") else stack
         row = dict(size=size, stack=stack, predicted_peak_bytes=predicted, budget_bytes=budget, predicted_settings=settings,
-                   offload_mb=offload_mb,
+                   offload_mb=offload_mb, low_memory=low_memory,
                    model=path.stem, steps=steps, device=str(base.load_device), memory_kind=memory.kind,
                    vram_cap_bytes=host.vram_cap_bytes)
         if not should_run(predicted, budget, confirm, on_gpu):
@@ -251,7 +278,7 @@ def resolution_rows(
             yield ResolutionRow(status=PREDICTED_OOM, notes=why, **row)
             continue
         try:
-            image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[stack], memory, size, conds[size], steps, stack)
+            image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[wired], memory, size, conds[size], steps, stack)
         except oom_errors as error:
             yield ResolutionRow(status=OUT_OF_MEMORY, notes=_first_line(error), **row)
             continue
@@ -298,7 +325,7 @@ def resolutions_table(rows: list[ResolutionRow]) -> str:
     cap = f", VRAM capped at {format_mib(first.vram_cap_bytes)} MiB" if first.vram_cap_bytes else ""
     lines = [f"{first.model} on {first.device}, {first.steps} steps{cap}; time = sampler + VAE decode", ""]
     lines += markdown_table(headers, body, right={1, 2, 4, 5, 6, 8, 9, 10})
-    lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in stack_chains(first.offload_mb).items())]
+    lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in stack_chains(first.offload_mb, first.low_memory).items())]
     ran = next((r for r in rows if r.stack == SDOPT and r.status == OK and r.notes), None)
     if ran is not None:
         lines.append(f"- sdopt at {ran.size} px: {ran.notes}")

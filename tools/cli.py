@@ -124,7 +124,7 @@ def _bench_resolutions(args: argparse.Namespace) -> None:
 
     rows = bench_resolutions(args.comfyui, model=args.model, sizes=args.sizes, steps=args.steps, vram_cap=_vram_cap(args),
                              confirm=args.confirm, models=args.models, offload_mb=args.offload_mb,
-                             against_uncapped=args.against_uncapped)
+                             against_uncapped=args.against_uncapped, low_memory=args.low_memory)
     _print_rows(resolutions_table(rows), rows, args.json)
     if args.plot:
         print(save_heatmap(rows, args.plot) or f"wrote {args.plot}")
@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     resolutions.add_argument("--steps", type=int, default=4)
     resolutions.add_argument("--offload-mb", type=int, default=1024,
                              help="the sdopt stack's Offload budget in MiB of UNet weights; 0 = sequential (stream every layer)")
+    resolutions.add_argument("--low-memory", choices=("always", "when-needed"), default="always", help=(
+        "wire sdopt Low Memory into every sdopt cell, or only where the planner predicts the step does not fit "
+        "without it (Offload and an untiled decode change no number, so those cells equal stock's uncapped image)"))
     resolutions.add_argument("--confirm", action="store_true",
                              help="on a GPU, also run the cells the planner predicts out of memory (on a CPU they are never run)")
     resolutions.add_argument("--against-uncapped", action="store_true", help=(

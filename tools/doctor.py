@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -96,6 +97,15 @@ def _gib(n: int) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _raised_at(error: BaseException) -> str:
+    """The innermost frame of ``error``'s traceback, as file:line in function."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "no traceback"
+    frame = frames[-1]
+    return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
 
 
 def _package_version(name: str) -> str | None:
@@ -746,8 +756,22 @@ def _always_rows(ctx: Context) -> list[CheckRow]:
     return rows
 
 
+def _one(row_of: Callable[[Context], CheckRow]) -> Callable[[Context], list[CheckRow]]:
+    return lambda ctx: [row_of(ctx)]
+
+
+# Each its own check, so that a fault in one costs that check's rows, not every node's.
+NODE_CHECKS: tuple[tuple[str, Callable[[Context], list[CheckRow]]], ...] = (
+    ("node: sdopt Precision and VAE Precision", _precision_rows),
+    ("node: sdopt Attention and VAE Attention", _attention_rows),
+    ("node: sdopt Compile", _one(_compile_row)),
+    ("node: sdopt CUDA Graph and Offload", _graph_and_offload_rows),
+    ("node: the torch-only nodes", _always_rows),
+)
+
+
 def check_nodes(ctx: Context) -> list[CheckRow]:
-    return [*_precision_rows(ctx), *_attention_rows(ctx), _compile_row(ctx), *_graph_and_offload_rows(ctx), *_always_rows(ctx)]
+    return [row for _, check in NODE_CHECKS for row in check(ctx)]
 
 
 # --- running the checks ----------------------------------------------------------------------------
@@ -761,7 +785,7 @@ CHECKS: tuple[tuple[str, Callable[[Context], list[CheckRow]]], ...] = (
     ("CUDA graph", check_cuda_graph),
     ("ComfyUI", check_comfyui),
     ("compile cache", check_compile_cache),
-    ("nodes", check_nodes),
+    *NODE_CHECKS,
 )
 
 
@@ -777,7 +801,7 @@ def run_checks(device: torch.device | str, comfyui: ComfyInfo | None = None,
         try:
             found = check(ctx)
         except Exception as error:
-            found = [CheckRow(name, f"the {name} check", FAILED, f"the check itself raised {_first_line(error)}",
+            found = [CheckRow(name, f"the {name} check", FAILED, f"the check itself raised {_first_line(error)} ({_raised_at(error)})",
                               f"report it at {ISSUES} with this table")]
         seconds = (time.perf_counter() - started) / len(found)
         for row in found:

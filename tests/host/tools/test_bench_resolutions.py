@@ -64,3 +64,15 @@ def test_sdxl_mini_cells_run_and_the_planner_knows_the_architecture(comfy_host, 
     # no cap applies on a CPU: the uncapped reference is stock run again, which must repeat itself exactly
     assert stock["psnr_vs_uncapped_db"] == math.inf and sdopt["psnr_vs_uncapped_db"] == pytest.approx(sdopt["psnr_vs_stock_db"])
     assert 0 < stock["predicted_peak_bytes"] <= stock["budget_bytes"]
+
+
+def test_when_needed_the_sdopt_cell_leaves_low_memory_out_and_equals_stock_exactly(comfy_host, tmp_path):
+    out = tmp_path / "resolutions.json"
+    argv = ["bench", "resolutions", "--comfyui", str(comfy_host.host.path), "--model", str(comfy_host.checkpoint),
+            "--sizes", "64", "--steps", "2", "--json", str(out), "--low-memory", "when-needed"]
+    assert main(argv) == 0
+    stock, sdopt = json.loads(out.read_text())
+    assert sdopt["status"] == "ok" and sdopt["low_memory"] == "when-needed"
+    assert sdopt["predicted_settings"].startswith("sdpa, CFG batch 2;"), "64 px fits without Low Memory"
+    assert "SDOptLowMemory" not in sdopt["notes"] and "SDOptOffload" in sdopt["notes"]
+    assert sdopt["psnr_vs_stock_db"] == math.inf, "Offload and an untiled decode change no number"

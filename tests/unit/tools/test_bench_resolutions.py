@@ -63,6 +63,15 @@ def test_sdopt_cell_with_sequential_offload_holds_only_the_streamed_layers():
     assert "Offload(budget 512 MiB)" in bench.stack_chains(512)[bench.SDOPT]
 
 
+def test_when_needed_the_sdopt_step_runs_without_low_memory_where_it_fits():
+    when_needed = dict(weights_on_device=True, low_memory=bench.LOW_MEMORY_WHEN_NEEDED)
+    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 4500 * MiB, **when_needed)
+    assert settings == "sdpa, CFG batch 2; VAE tiled 512 px" and peak == (1024 + 1 + 3000) * MiB
+    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 4000 * MiB, **when_needed)
+    assert settings == "low memory 256 MiB, sdpa; VAE tiled 512 px" and peak == (1024 + 1 + 700) * MiB
+    assert "where the step is predicted not to fit" in bench.stack_chains(1024, bench.LOW_MEMORY_WHEN_NEEDED)[bench.SDOPT]
+
+
 def test_on_a_cpu_the_weights_are_already_in_what_is_allocated():
     peak, _ = bench.predict_cell(FixedPlanner(PEAKS), bench.STOCK, 1024, 2000 * MiB, 16000 * MiB, weights_on_device=False)
     assert peak == (2000 + 1 + 5000) * MiB

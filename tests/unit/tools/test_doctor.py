@@ -421,7 +421,7 @@ def test_a_check_that_raises_is_one_failed_row_and_the_others_still_run(monkeypa
     monkeypatch.setattr(doctor, "CHECKS", (("device", doctor.check_device), ("boom", explodes), ("CUDA graph", doctor.check_cuda_graph)))
     rows = doctor.run_checks("cpu")
     assert [r.check for r in rows] == ["device", "boom", "CUDA graph"]
-    assert rows[1].status == FAILED and "KeyError" in rows[1].result
+    assert rows[1].status == FAILED and "KeyError" in rows[1].result and "in explodes" in rows[1].result
     assert_fix(rows[1], "issues")
     assert all(r.seconds >= 0 for r in rows)
 
@@ -446,3 +446,16 @@ def test_cli_exits_1_when_a_check_failed(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(doctor, "CHECKS", (("device", doctor.check_device),))
     assert main(["doctor", "--no-comfyui", "--device", "cpu"]) == 1
     assert "| device | failed |" in capsys.readouterr().out
+
+
+def test_a_node_check_that_raises_costs_only_its_own_rows(monkeypatch):
+    def broken_graph_rows(ctx):
+        raise RuntimeError("capture probe broke")
+
+    monkeypatch.setattr(doctor, "NODE_CHECKS", tuple((name, broken_graph_rows if "CUDA Graph" in name else check) for name, check in doctor.NODE_CHECKS))
+    monkeypatch.setattr(doctor, "CHECKS", (("device", doctor.check_device), *doctor.NODE_CHECKS))
+    rows = {r.check: r for r in doctor.run_checks("cpu")}
+    assert rows["node: sdopt CUDA Graph and Offload"].status == FAILED
+    assert "capture probe broke" in rows["node: sdopt CUDA Graph and Offload"].result
+    for node in ("sdopt Precision", "sdopt Attention", "sdopt Compile", "sdopt Tiled VAE", "sdopt Profiler"):
+        assert f"node: {node}" in rows, node

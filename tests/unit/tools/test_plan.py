@@ -5,6 +5,8 @@ SD3.5 and Flux: their text encoders, the transformer step's inputs as diffusers 
 latent packing, their checkpoints' architecture and SD3.5's largest side."""
 import json
 
+import math
+
 import pytest
 import torch
 
@@ -212,6 +214,33 @@ def test_a_measurement_on_the_gpu_is_the_growth_of_torchs_peak_allocation(monkey
 
     assert plan_module._allocated_growth(stage, torch.device("cuda")) == 300, "the peak before the stage is not the stage's"
     assert calls == ["sync", "stage", "sync"], "the stage's kernels have finished before the peak is read"
+
+
+def test_the_gpu_check_caps_the_stage_at_the_prediction_plus_its_headroom(monkeypatch):
+    """Under the cap, cuDNN cannot take free memory as workspace; a stage that needs more than the cap
+    is out of memory, which the row and the table report as an under-prediction."""
+    from types import SimpleNamespace
+
+    from sdopt.tools import plan as plan_module
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1000)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=10_000))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: fractions.append(fraction))
+
+    def needs_too_much():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert plan_module._allocated_growth(needs_too_much, torch.device("cuda"), cap_bytes=1500) is None
+    assert fractions == [0.25], "what torch holds now plus the cap, over the device's memory"
+    row = plan_module.CheckRow("full", plan_module.VAE_DECODE, 1024, 100 * 2**20, [None], cap_bytes=120 * 2**20)
+    assert not row.fits and math.isnan(row.error)
+    assert "needs more than 120 (the prediction + 20%)" in plan_module.check_table([row])
+    fitting = plan_module.CheckRow("full", plan_module.VAE_DECODE, 1024, 100 * 2**20, [80 * 2**20], cap_bytes=120 * 2**20)
+    assert fitting.fits and fitting.error == pytest.approx(0.25)
 
 
 # --- the diffusion transformers (SD3.5, Flux) -------------------------------------------------------
