@@ -56,6 +56,7 @@ from ..measure.report import markdown_table
 from ..optim.heap_trim import trim_heap
 from ..optim.lowmem import LowMemConfig
 from ..optim.memory_plan import (
+    LiveBytesMode,
     MemoryPlanConfig,
     fake_module,
     fake_tensor,
@@ -620,7 +621,15 @@ def _measure_here(spec: dict) -> dict:
     fn, inputs = stage_call(model, spec["stage"], modules, spec["width"], spec["height"], dtype, make)
     with torch.inference_mode():
         if device.type == "cuda":
-            return {"measured_bytes": _allocated_growth(lambda: fn(*inputs), device, spec.get("cap_bytes"))}
+            measured = _allocated_growth(lambda: fn(*inputs), device, spec.get("cap_bytes"))
+            if measured is None:
+                return {"measured_bytes": None}
+            # The same run's tensors counted as the planner counts them, on the GPU's own op sequence:
+            # where this agrees with the prediction and the allocator does not, the difference is
+            # the kernels' own allocations; where it disagrees, the ops are.
+            with LiveBytesMode("none") as tensors:
+                fn(*inputs)
+            return {"measured_bytes": measured, "tensor_peak_bytes": tensors.peak_bytes, "tensor_peak_op": tensors.peak_op}
         # The high-water mark of building the models and warming up is not the stage's: it is reset.
         _, _, growth = peak_rss_growth(lambda: fn(*inputs))
     return {"measured_bytes": growth}
@@ -631,6 +640,13 @@ def measure_stage(model: str, stage: str, width: int, height: int, dtype: str = 
     """Working-memory growth in bytes of one real run of ``stage`` with stock settings in a fresh
     process: peak RSS on a CPU (Linux only), torch's peak allocated memory on a GPU, there within
     ``cap_bytes`` of working memory where given (None: out of memory within it)."""
+    return measure_stage_details(model, stage, width, height, dtype, device, cap_bytes)["measured_bytes"]
+
+
+def measure_stage_details(model: str, stage: str, width: int, height: int, dtype: str = "fp32", device: str = "cpu",
+                          cap_bytes: int | None = None) -> dict:
+    """``measure_stage``'s figure as ``measured_bytes``; on a GPU also ``tensor_peak_bytes`` and
+    ``tensor_peak_op``: the peak of the run's own tensors, counted as the planner counts them."""
     if device == "cpu" and not _PROC_STATUS.exists():
         raise UserError("measuring on a CPU reads /proc/self/status: it needs Linux")
     spec = {"model": architecture(model), "stage": stage, "width": width, "height": height, "dtype": dtype, "device": device,
@@ -638,7 +654,7 @@ def measure_stage(model: str, stage: str, width: int, height: int, dtype: str = 
     done = subprocess.run([sys.executable, "-m", __spec__.name, json.dumps(spec)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"measuring {stage} at {width}x{height} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["measured_bytes"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @dataclass(frozen=True)
@@ -652,6 +668,7 @@ class CheckRow:
     predicted_bytes: int
     measured_bytes: list[int | None]
     cap_bytes: int | None = None
+    tensor_peaks: list[tuple[int, str]] = field(default_factory=list)  # on a GPU: (bytes, op) of each run's tensors
 
     @property
     def fits(self) -> bool:
@@ -682,8 +699,9 @@ def check_predictions(cases=CHECK_CASES, repeats: int = 3, dtype: str = "fp32", 
         planner = planners[model]
         predicted = planner.predict(stage, SETTINGS[stage][0], size, size).peak_bytes
         cap = int(predicted * (1 + CUDA_CHECK_HEADROOM)) if device == "cuda" else None
-        measured = [measure_stage(model, stage, size, size, dtype, device, cap) for _ in range(repeats)]
-        rows.append(CheckRow(model, stage, size, predicted, measured, cap))
+        runs = [measure_stage_details(model, stage, size, size, dtype, device, cap) for _ in range(repeats)]
+        tensor_peaks = [(run["tensor_peak_bytes"], run["tensor_peak_op"]) for run in runs if "tensor_peak_bytes" in run]
+        rows.append(CheckRow(model, stage, size, predicted, [run["measured_bytes"] for run in runs], cap, tensor_peaks))
     return rows
 
 
@@ -693,8 +711,13 @@ def check_table(rows: list[CheckRow]) -> str:
              " / ".join(mib(b) for b in r.measured_bytes),
              f"{r.error:+.1%}" if r.fits else f"needs more than {mib(r.cap_bytes)} (the prediction + {CUDA_CHECK_HEADROOM:.0%})"]
             for r in rows]
-    return "\n".join(markdown_table(["case", "size", "predicted MiB", "measured MiB (median)", "each run MiB", "error"],
-                                    body, right={2, 3, 5}))
+    if any(r.tensor_peaks for r in rows):
+        for r, line in zip(rows, body):
+            line.append(" / ".join(f"{mib(b)} at {op}" for b, op in r.tensor_peaks) or "—")
+    headers = ["case", "size", "predicted MiB", "measured MiB (median)", "each run MiB", "error"]
+    if any(r.tensor_peaks for r in rows):
+        headers.append("the run's tensors' peak MiB (counted as the planner counts)")
+    return "\n".join(markdown_table(headers, body, right={2, 3, 5}))
 
 
 def _main(argv: list[str]) -> None:

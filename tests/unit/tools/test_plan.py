@@ -241,6 +241,9 @@ def test_the_gpu_check_caps_the_stage_at_the_prediction_plus_its_headroom(monkey
     assert "needs more than 120 (the prediction + 20%)" in plan_module.check_table([row])
     fitting = plan_module.CheckRow("full", plan_module.VAE_DECODE, 1024, 100 * 2**20, [80 * 2**20], cap_bytes=120 * 2**20)
     assert fitting.fits and fitting.error == pytest.approx(0.25)
+    traced = plan_module.CheckRow("full", plan_module.VAE_DECODE, 1024, 100 * 2**20, [80 * 2**20], 120 * 2**20,
+                                  [(100 * 2**20, "aten.silu.default")])
+    assert "| 100 at aten.silu.default |" in plan_module.check_table([traced])
 
 
 # --- the diffusion transformers (SD3.5, Flux) -------------------------------------------------------
