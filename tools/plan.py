@@ -31,9 +31,9 @@ so ``check_predictions`` (``python -m sdopt plan --check``) takes the median of 
 what torch's allocator hands out at the stage's peak beyond what it held before (``max_memory_allocated``
 after a reset): the figure a VRAM budget is about, exact from one run to the next. It runs the stage
 under a cap of the prediction plus ``CUDA_CHECK_HEADROOM`` (PyTorch's memory fraction): cuDNN's
-convolutions take workspace from whatever is free (PyTorch asks for the largest plan's workspace and
-halves it on out-of-memory), so an uncapped peak says how much was free more than what the stage
-needs; on the H200 the SD1.5 VAE decode at 1024² peaked 37% above its prediction uncapped. A stage
+convolutions take workspace from whatever is free (PyTorch's cuDNN path allocates a plan's workspace
+and, when that runs out of memory, moves to a plan that needs less, or halves the request), so an
+uncapped peak says how much was free more than what the stage needs; on the H200 the SD1.5 VAE decode at 1024² peaked 37% above its prediction uncapped. A stage
 that does not run within the cap is an under-prediction and fails the check.
 """
 from __future__ import annotations
