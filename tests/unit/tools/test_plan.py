@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 from sdopt.optim.memory_plan import fake_module, fake_tensor, fake_tensor_mode, module_bytes, predict_peak  # noqa: E402
 from sdopt.tools.plan import (  # noqa: E402
+    PLANNER_TOLERANCE,
     SETTINGS,
     TEXT_ENCODE,
     UNET_STEP,
@@ -30,7 +31,7 @@ from sdopt.tools.plan import (  # noqa: E402
 )
 
 # The planner's target: predicted peak within 20% of the measured peak RSS growth (CPU, fp32).
-PREDICTION_TOLERANCE = 0.20
+PREDICTION_TOLERANCE = PLANNER_TOLERANCE
 
 
 def _one_line_error(capsys, argv) -> str:
@@ -110,6 +111,25 @@ def test_sequential_offload_streams_the_unet_when_its_weights_do_not_fit():
     assert 0 < planner.streamed_unet_bytes < planner.weights["unet"]
     assert planner.first_fitting(UNET_STEP, 128, 128, budget, "model") is None
     assert planner.first_fitting(UNET_STEP, 128, 128, budget, "sequential") is not None
+
+
+def test_budget_offload_keeps_what_the_budget_leaves_of_the_unet_resident():
+    from sdopt.tools.plan import make_plan, plan_table
+
+    planner = Planner("full")  # its UNet outweighs its text encoder, as in every real checkpoint
+    budget = planner.weights["unet"] - 2**20
+    plan = make_plan("full", 128, 128, budget, search=False)
+    step = next(p for p in plan.chosen if p.stage == UNET_STEP)
+    assert plan.offload == "budget", "the whole UNet does not fit, and streaming all of it would keep less than the budget allows"
+    margin = int(step.peak_bytes * PLANNER_TOLERANCE)  # the planner's accuracy, left free beside the step
+    assert plan.unet_resident_bytes == (budget - step.input_bytes - step.peak_bytes - margin) // 2**20 * 2**20
+    assert planner.streamed_unet_bytes < plan.unet_resident_bytes < planner.weights["unet"]
+    assert plan.total(step, "budget") <= budget
+    assert f"mode budget, budget_mb {plan.unet_resident_bytes // 2**20}" in plan_table(plan)
+    stock_step = planner.predict(UNET_STEP, SETTINGS[UNET_STEP][0], 512, 512)
+    tight_budget = planner.streamed_unet_bytes + stock_step.input_bytes + int(stock_step.peak_bytes * (1 + PLANNER_TOLERANCE))
+    tight = make_plan("full", 512, 512, tight_budget, search=False)
+    assert tight.offload == "sequential", "a budget that leaves no more than the streamed layers is sequential offload"
 
 
 @pytest.fixture(scope="module")
