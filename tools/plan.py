@@ -729,12 +729,11 @@ def check_table(rows: list[CheckRow]) -> str:
              " / ".join(mib(b) for b in r.measured_bytes),
              f"{r.error:+.1%}" if r.fits else f"needs more than {mib(r.cap_bytes)} (the prediction + {PLANNER_TOLERANCE:.0%})"]
             for r in rows]
-    if any(r.tensor_peaks for r in rows):
-        for r, line in zip(rows, body):
-            line.append(" / ".join(f"{mib(b)} at {op}" for b, op in r.tensor_peaks) or "—")
     headers = ["case", "size", "predicted MiB", "measured MiB (median)", "each run MiB", "error"]
     if any(r.tensor_peaks for r in rows):
         headers.append("the run's tensors' peak MiB (counted as the planner counts)")
+        for r, line in zip(rows, body):
+            line.append(" / ".join(f"{mib(b)} at {op}" for b, op in r.tensor_peaks) or "—")
     return "\n".join(markdown_table(headers, body, right={2, 3, 5}))
 
 
