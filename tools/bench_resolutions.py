@@ -6,7 +6,10 @@ One process, one booted ComfyUI, one checkpoint, ComfyUI's own KSampler (``commo
 - **stock**: checkpoint → KSampler → VAEDecode;
 - **sdopt**: the same, with the model through SDOptLowMemory (256 MiB) and SDOptOffload (budget,
   1024 MiB of UNet weights in VRAM; a recorded no-op on a CPU) and the VAE through SDOptTiledVAE
-  (auto tile, only when the untiled decode would not fit). With ``low_memory="when-needed"``,
+  (auto tile, only when the untiled decode would not fit). With ``offload_mb=None`` ("auto"), each
+  cell's Offload budget is the planner's: as much of the UNet as the cap leaves beside the step's
+  inputs and working peak plus the planner's tolerance, as ``plan`` offers it (sequential where that
+  keeps no more than the streamed layers). With ``low_memory="when-needed"``,
   SDOptLowMemory is wired only where the planner predicts that the step does not fit without it:
   Offload and an untiled decode change no number, so such a cell gives stock's uncapped image
   exactly, where Low Memory's sequential CFG and chunked ops run other kernels, which round differently
@@ -44,20 +47,23 @@ from ..optim.tiled_vae import free_memory
 from .bench_speed import empty_latent, encode_prompts, optimization_notes, profiled_sample, timed_decode
 from .bench_unet import checkpoint_path, load_checkpoint
 from .bench_vae import image_psnr
-from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, lowmem_setting
+from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, budget_resident_bytes, lowmem_setting
 from .progress import progress_bar
 
 STOCK, SDOPT = "stock", "sdopt"
-SDOPT_PLAIN = "sdopt without Low Memory"  # a model stack, not a table column: sdopt's cells when Low Memory is not needed
 OK, OUT_OF_MEMORY, PREDICTED_OOM = "ok", "out of memory", "predicted OOM"
 LOWMEM_BUDGET_MB, OFFLOAD_BUDGET_MB = 256, 1024
 LOW_MEMORY_ALWAYS, LOW_MEMORY_WHEN_NEEDED = "always", "when-needed"
 LOW_MEMORY_CHOICES = (LOW_MEMORY_ALWAYS, LOW_MEMORY_WHEN_NEEDED)
 
 
-def stack_chains(offload_mb: int, low_memory: str = LOW_MEMORY_ALWAYS) -> dict[str, str]:
-    """What each stack wires; ``offload_mb`` 0 streams the whole UNet (Offload's sequential mode)."""
-    offload = f"budget {offload_mb} MiB" if offload_mb else "sequential"
+def stack_chains(offload_mb: int | None, low_memory: str = LOW_MEMORY_ALWAYS) -> dict[str, str]:
+    """What each stack wires; ``offload_mb`` 0 streams the whole UNet (Offload's sequential mode),
+    None takes the planner's budget per cell."""
+    if offload_mb is None:
+        offload = "budget_mb from the planner per size, or sequential"
+    else:
+        offload = f"budget {offload_mb} MiB" if offload_mb else "sequential"
     lowmem = f"LowMemory({LOWMEM_BUDGET_MB} MiB)"
     if low_memory == LOW_MEMORY_WHEN_NEEDED:
         lowmem += " where the step is predicted not to fit without it"
@@ -89,7 +95,7 @@ class ResolutionRow:
     psnr_vs_stock_db: float | None = None  # the decoded image against stock's at this size
     psnr_vs_uncapped_db: float | None = None  # against stock's with the cap lifted (--against-uncapped)
     vram_cap_bytes: int | None = None  # --vram-cap in force
-    offload_mb: int = OFFLOAD_BUDGET_MB  # the sdopt stack's Offload budget; 0: sequential
+    offload_mb: int | None = OFFLOAD_BUDGET_MB  # the sdopt stack's Offload budget; 0: sequential; None: the planner's per cell
     low_memory: str = LOW_MEMORY_ALWAYS  # whether the sdopt stack wires Low Memory always or when needed
     notes: str = ""
 
@@ -107,49 +113,68 @@ def should_run(predicted_peak_bytes: int, budget_bytes: int, confirm: bool, on_g
     return predicted_peak_bytes <= budget_bytes or (confirm and on_gpu)
 
 
+@dataclass(frozen=True)
+class CellPlan:
+    """What the planner predicts for one cell and what the cell then wires."""
+
+    peak_bytes: int
+    settings: str  # the UNet step's and the VAE decode's settings it assumed
+    low_memory: bool = False  # the sdopt step runs through SDOptLowMemory
+    offload_mb: int = 0  # the sdopt stack's Offload budget at this size; 0: sequential
+
+
 def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_bytes: int,
-                 weights_on_device: bool, offload_mb: int = OFFLOAD_BUDGET_MB,
-                 low_memory: str = LOW_MEMORY_ALWAYS) -> tuple[int, str]:
-    """(predicted peak bytes, the settings it assumed) of one cell: the larger of the UNet step and
-    the VAE decode, each the ``allocated_bytes`` already there plus the weights it loads (when
-    ``weights_on_device``: a GPU), its inputs and its working peak. The tiled VAE takes the first
-    setting that fits, as its auto tile does; with ``low_memory`` when-needed, so does the sdopt step
-    (plain first, then Low Memory). The settings start with ``UNET_SETTINGS[0]``'s name exactly
-    when the step runs without Low Memory."""
+                 weights_on_device: bool, offload_mb: int | None = OFFLOAD_BUDGET_MB,
+                 low_memory: str = LOW_MEMORY_ALWAYS) -> CellPlan:
+    """One cell's predicted peak: the larger of the UNet step and the VAE decode, each the
+    ``allocated_bytes`` already there plus the weights it loads (when ``weights_on_device``: a GPU),
+    its inputs and its working peak. The tiled VAE takes the first setting that fits, as its auto
+    tile does; with ``low_memory`` when-needed, so does the sdopt step (plain first, then Low Memory).
+    ``offload_mb`` None: the sdopt step keeps the UNet weights the planner's budget leaves for that
+    step's setting (``plan``'s budget offload), sequential where that is no more than the streamed layers."""
     lowmem = lowmem_setting(LOWMEM_BUDGET_MB)
     if stack == STOCK:
-        unet_settings, vae_settings, unet_weights = UNET_SETTINGS[:1], VAE_SETTINGS[:1], planner.weights["unet"]
+        unet_settings, vae_settings = UNET_SETTINGS[:1], VAE_SETTINGS[:1]
     else:
         unet_settings = (UNET_SETTINGS[0], lowmem) if low_memory == LOW_MEMORY_WHEN_NEEDED else (lowmem,)
-        resident = offload_mb * _MiB if offload_mb else planner.streamed_unet_bytes
-        vae_settings, unet_weights = VAE_SETTINGS, min(planner.weights["unet"], resident)
-    loaded = {UNET_STEP: unet_weights, VAE_DECODE: planner.weights["vae"]} if weights_on_device else {UNET_STEP: 0, VAE_DECODE: 0}
+        vae_settings = VAE_SETTINGS
 
-    def total(stage, setting):
-        p = planner.predict(stage, setting, size, size)
-        return allocated_bytes + loaded[stage] + p.input_bytes + p.peak_bytes
+    def unet_offload_mb(step) -> int:
+        if offload_mb is not None:
+            return offload_mb
+        resident = budget_resident_bytes(planner, step, budget_bytes - allocated_bytes)
+        return resident // _MiB if resident else 0
+
+    def total(step_or_decode, weights_bytes: int) -> int:
+        loaded = weights_bytes if weights_on_device else 0
+        return allocated_bytes + loaded + step_or_decode.input_bytes + step_or_decode.peak_bytes
 
     for unet_setting in unet_settings:
-        unet_peak = total(UNET_STEP, unet_setting)
+        step = planner.predict(UNET_STEP, unet_setting, size, size)
+        cell_offload_mb = 0 if stack == STOCK else unet_offload_mb(step)
+        if stack == STOCK:
+            unet_weights = planner.weights["unet"]
+        else:
+            unet_weights = min(planner.weights["unet"], cell_offload_mb * _MiB) if cell_offload_mb else planner.streamed_unet_bytes
+        unet_peak = total(step, unet_weights)
         if unet_peak <= budget_bytes:
             break
     for vae_setting in vae_settings:
-        vae_peak = total(VAE_DECODE, vae_setting)
+        vae_peak = total(planner.predict(VAE_DECODE, vae_setting, size, size), planner.weights["vae"])
         if vae_peak <= budget_bytes:
             break
-    return max(unet_peak, vae_peak), f"{unet_setting.name}; VAE {vae_setting.name}"
+    settings = f"{unet_setting.name}; VAE {vae_setting.name}"
+    if stack == SDOPT:
+        settings += f"; Offload {f'budget {cell_offload_mb:,} MiB' if cell_offload_mb else 'sequential'}"
+    return CellPlan(max(unet_peak, vae_peak), settings, unet_setting is lowmem, cell_offload_mb)
 
 
-def _stacks(host, model, vae, offload_mb: int) -> dict:
-    """{stack: (model, vae)} as the nodes a user would wire make them; ``SDOPT_PLAIN`` is the sdopt
-    stack without Low Memory."""
+def _sdopt_model(host, model, cell: CellPlan):
+    """The model through the sdopt nodes a user would wire for ``cell``."""
     node = host.node_classes
-
-    def offloaded(m):
-        return node["SDOptOffload"]().patch(m, "budget" if offload_mb else "sequential", offload_mb, "fallback")[0]
-    low_memory = node["SDOptLowMemory"]().patch(model, LOWMEM_BUDGET_MB, True, True)[0]
-    tiled = node["SDOptTiledVAE"]().apply(vae, 0, 0, True, 0)[0]
-    return {STOCK: (model, vae), SDOPT: (offloaded(low_memory), tiled), SDOPT_PLAIN: (offloaded(model), tiled)}
+    if cell.low_memory:
+        model = node["SDOptLowMemory"]().patch(model, LOWMEM_BUDGET_MB, True, True)[0]
+    return node["SDOptOffload"]().patch(model, "budget" if cell.offload_mb else "sequential", cell.offload_mb, "fallback")[0]
 
 
 def _oom_errors(model_management) -> tuple[type[BaseException], ...]:
@@ -222,12 +247,12 @@ def resolution_rows(
     confirm: bool = False,
     models: Path | None = None,
     progress: bool = True,
-    offload_mb: int = OFFLOAD_BUDGET_MB,
+    offload_mb: int | None = OFFLOAD_BUDGET_MB,
     against_uncapped: bool = False,
     low_memory: str = LOW_MEMORY_ALWAYS,
 ) -> Iterator[ResolutionRow]:
     """Rows per size, stock then sdopt, each as soon as its cell is done; ``offload_mb`` is the sdopt
-    stack's Offload budget (0: sequential). ``against_uncapped``: before each size, stock runs once
+    stack's Offload budget (0: sequential; None: the planner's per cell). ``against_uncapped``: before each size, stock runs once
     more with the cap lifted, and both stacks' images are compared with that one too. ``low_memory``:
     whether the sdopt stack wires Low Memory always or only where the step needs it."""
     from .headless import boot
@@ -239,7 +264,7 @@ def resolution_rows(
             raise UserError(f"--sizes: {size} px must be a positive multiple of 64")
     if steps < 1:
         raise UserError(f"--steps must be >= 1, not {steps}")
-    if offload_mb < 0:
+    if offload_mb is not None and offload_mb < 0:
         raise UserError(f"--offload-mb must be >= 0 (0 streams the whole UNet), not {offload_mb}")
     if low_memory not in LOW_MEMORY_CHOICES:
         raise UserError(f"--low-memory: {low_memory!r} is not one of {', '.join(LOW_MEMORY_CHOICES)}")
@@ -251,7 +276,7 @@ def resolution_rows(
     on_gpu = base.load_device.type == "cuda"
     planner = Planner(architecture(str(path)), dtype_names.get(base.model.get_dtype(), "fp16"), "cuda" if on_gpu else "cpu")
     conds = {size: encode_prompts(clip, size) for size in sizes}
-    stacks = _stacks(host, base, vae, offload_mb)
+    tiled = host.node_classes["SDOptTiledVAE"]().apply(vae, 0, 0, True, 0)[0]
     memory = PeakMemory(base.load_device)
     oom_errors = _oom_errors(mm)
     stock_images, uncapped_images, uncapped_failures = {}, {}, {}
@@ -261,24 +286,24 @@ def resolution_rows(
         bar.set_postfix_str(f"{size} px {stack}")
         if against_uncapped and stack == STOCK:
             try:
-                uncapped_images[size] = _uncapped_image(host, mm, memory, stacks[STOCK], size, conds[size], steps)
+                uncapped_images[size] = _uncapped_image(host, mm, memory, (base, vae), size, conds[size], steps)
             except oom_errors as error:
                 uncapped_failures[size] = f"the uncapped reference ran out of memory: {_first_line(error)}"
         allocated = _release(mm, memory)
         budget = _budget(host, memory, allocated)
-        predicted, settings = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu, offload_mb=offload_mb,
-                                           low_memory=low_memory)
-        wired = SDOPT_PLAIN if stack == SDOPT and settings.startswith(UNET_SETTINGS[0].name + ";") else stack
-        row = dict(size=size, stack=stack, predicted_peak_bytes=predicted, budget_bytes=budget, predicted_settings=settings,
+        cell = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu, offload_mb=offload_mb,
+                            low_memory=low_memory)
+        row = dict(size=size, stack=stack, predicted_peak_bytes=cell.peak_bytes, budget_bytes=budget, predicted_settings=cell.settings,
                    offload_mb=offload_mb, low_memory=low_memory,
                    model=path.stem, steps=steps, device=str(base.load_device), memory_kind=memory.kind,
                    vram_cap_bytes=host.vram_cap_bytes)
-        if not should_run(predicted, budget, confirm, on_gpu):
+        if not should_run(cell.peak_bytes, budget, confirm, on_gpu):
             why = "" if on_gpu or not confirm else "not confirmed: on a CPU, running out of memory can take the machine down"
             yield ResolutionRow(status=PREDICTED_OOM, notes=why, **row)
             continue
         try:
-            image, sampler_s, decode_s, peak, notes = _run_cell(host, *stacks[wired], memory, size, conds[size], steps, stack)
+            wired = (base, vae) if stack == STOCK else (_sdopt_model(host, base, cell), tiled)
+            image, sampler_s, decode_s, peak, notes = _run_cell(host, *wired, memory, size, conds[size], steps, stack)
         except oom_errors as error:
             yield ResolutionRow(status=OUT_OF_MEMORY, notes=_first_line(error), **row)
             continue

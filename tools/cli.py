@@ -177,6 +177,16 @@ def _sizes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of pixel sizes, e.g. 512,1024,2048") from None
 
 
+def _offload_mb(text: str) -> int | None:
+    """``auto`` (None: the planner's budget per size) or MiB."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a number of MiB") from None
+
+
 def _cache(args: argparse.Namespace) -> None:
     from ..optim.compile import cache_entries, default_cache_dir, foreign_items, purge_cache
     from ..measure.report import markdown_table
@@ -373,8 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     resolutions.add_argument("--sizes", type=_sizes, default=[512, 1024, 2048], help="comma-separated image sides in pixels")
     resolutions.add_argument("--steps", type=int, default=4)
-    resolutions.add_argument("--offload-mb", type=int, default=1024,
-                             help="the sdopt stack's Offload budget in MiB of UNet weights; 0 = sequential (stream every layer)")
+    resolutions.add_argument("--offload-mb", type=_offload_mb, default=1024, help=(
+        "the sdopt stack's Offload budget in MiB of UNet weights; 0 = sequential (stream every layer); auto = the "
+        "planner's per size: as much of the UNet as the cap leaves beside the step (as `plan` offers it)"))
     resolutions.add_argument("--low-memory", choices=("always", "when-needed"), default="always", help=(
         "wire sdopt Low Memory into every sdopt cell, or only where the planner predicts the step does not fit "
         "without it (Offload and an untiled decode change no number, so those cells equal stock's uncapped image)"))

@@ -496,6 +496,15 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def budget_resident_bytes(planner: Planner, step: StagePrediction, budget_bytes: int) -> int | None:
+    """The UNet weights (whole MiB) that sdopt Offload's budget mode may keep resident beside ``step``'s
+    inputs and working peak plus ``PLANNER_TOLERANCE``; None where that is no more than sequential
+    offload keeps (the streamed layers)."""
+    working = step.input_bytes + int(step.peak_bytes * (1 + PLANNER_TOLERANCE))
+    resident = min(planner.weights["unet"], budget_bytes - working) // _MiB * _MiB
+    return resident if resident > planner.streamed_unet_bytes else None
+
+
 def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str = "fp32", workspace: str = "cpu",
               search: bool = True) -> Plan:
     """Predictions for every stage (stock and low-memory settings), the fastest settings that fit the
@@ -517,10 +526,8 @@ def make_plan(model: str, width: int, height: int, budget_bytes: int, dtype: str
     for offload in OFFLOADS:
         chosen = planner.fits(width, height, budget_bytes, offload)
         if chosen and offload == "budget":
-            step = next(p for p in chosen if p.stage == UNET_STEP)
-            working = step.input_bytes + int(step.peak_bytes * (1 + PLANNER_TOLERANCE))
-            resident = min(planner.weights["unet"], budget_bytes - working) // _MiB * _MiB
-            if resident <= planner.streamed_unet_bytes:
+            resident = budget_resident_bytes(planner, next(p for p in chosen if p.stage == UNET_STEP), budget_bytes)
+            if resident is None:
                 continue
             plan.unet_resident_bytes = resident
         if chosen:

@@ -66,13 +66,14 @@ def test_sdxl_mini_cells_run_and_the_planner_knows_the_architecture(comfy_host, 
     assert 0 < stock["predicted_peak_bytes"] <= stock["budget_bytes"]
 
 
-def test_when_needed_the_sdopt_cell_leaves_low_memory_out_and_equals_stock_exactly(comfy_host, tmp_path):
+def test_when_needed_with_auto_offload_the_sdopt_cell_leaves_low_memory_out_and_equals_stock_exactly(comfy_host, tmp_path):
     out = tmp_path / "resolutions.json"
     argv = ["bench", "resolutions", "--comfyui", str(comfy_host.host.path), "--model", str(comfy_host.checkpoint),
-            "--sizes", "64", "--steps", "2", "--json", str(out), "--low-memory", "when-needed"]
+            "--sizes", "64", "--steps", "2", "--json", str(out), "--low-memory", "when-needed", "--offload-mb", "auto"]
     assert main(argv) == 0
     stock, sdopt = json.loads(out.read_text())
-    assert sdopt["status"] == "ok" and sdopt["low_memory"] == "when-needed"
+    assert sdopt["status"] == "ok" and sdopt["low_memory"] == "when-needed" and sdopt["offload_mb"] is None
     assert sdopt["predicted_settings"].startswith("sdpa, CFG batch 2;"), "64 px fits without Low Memory"
+    assert "; Offload budget " in sdopt["predicted_settings"], "the free RAM leaves the whole UNet resident"
     assert "SDOptLowMemory" not in sdopt["notes"] and "SDOptOffload" in sdopt["notes"]
     assert sdopt["psnr_vs_stock_db"] == math.inf, "Offload and an untiled decode change no number"

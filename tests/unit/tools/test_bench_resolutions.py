@@ -41,40 +41,65 @@ PEAKS = {
 
 def test_stock_cell_adds_what_is_allocated_weights_inputs_and_the_larger_stage():
     planner = FixedPlanner(PEAKS)
-    peak, settings = bench.predict_cell(planner, bench.STOCK, 1024, 10 * MiB, 8192 * MiB, weights_on_device=True)
-    assert peak == (10 + 160 + 1 + 5000) * MiB  # the untiled decode beats the UNet step's 10 + 1600 + 1 + 3000
-    assert settings == "sdpa, CFG batch 2; VAE untiled, sdpa"
+    cell = bench.predict_cell(planner, bench.STOCK, 1024, 10 * MiB, 8192 * MiB, weights_on_device=True)
+    assert cell.peak_bytes == (10 + 160 + 1 + 5000) * MiB  # the untiled decode beats the UNet step's 10 + 1600 + 1 + 3000
+    assert cell.settings == "sdpa, CFG batch 2; VAE untiled, sdpa" and not cell.low_memory
     assert {(stage, w) for stage, _, w, _ in planner.asked} == {(UNET_STEP, 1024), (VAE_DECODE, 1024)}
 
 
 def test_sdopt_cell_keeps_the_offload_budget_of_unet_weights_and_the_first_vae_tile_that_fits():
-    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1500 * MiB, weights_on_device=True)
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1500 * MiB, weights_on_device=True)
     # UNet: 1024 of its 1600 MiB resident, + 1 + 700; VAE: untiled (160 + 1 + 5000) is over, 512 px tiles fit.
-    assert peak == max(1024 + 1 + 700, 160 + 1 + 900) * MiB
-    assert settings == "low memory 256 MiB, sdpa; VAE tiled 512 px"
-    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True)
-    assert settings.endswith("VAE tiled 256 px") and peak == (1024 + 1 + 700) * MiB
+    assert cell.peak_bytes == max(1024 + 1 + 700, 160 + 1 + 900) * MiB
+    assert cell.settings == "low memory 256 MiB, sdpa; VAE tiled 512 px; Offload budget 1,024 MiB"
+    assert cell.low_memory and cell.offload_mb == 1024
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True)
+    assert "VAE tiled 256 px" in cell.settings and cell.peak_bytes == (1024 + 1 + 700) * MiB
 
 
 def test_sdopt_cell_with_sequential_offload_holds_only_the_streamed_layers():
-    peak, _ = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True, offload_mb=0)
-    assert peak == max(90 + 1 + 700, 160 + 1 + 400) * MiB
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 1000 * MiB, weights_on_device=True, offload_mb=0)
+    assert cell.peak_bytes == max(90 + 1 + 700, 160 + 1 + 400) * MiB
+    assert cell.settings.endswith("; Offload sequential") and cell.offload_mb == 0
     assert "Offload(sequential)" in bench.stack_chains(0)[bench.SDOPT]
     assert "Offload(budget 512 MiB)" in bench.stack_chains(512)[bench.SDOPT]
 
 
 def test_when_needed_the_sdopt_step_runs_without_low_memory_where_it_fits():
     when_needed = dict(weights_on_device=True, low_memory=bench.LOW_MEMORY_WHEN_NEEDED)
-    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 4500 * MiB, **when_needed)
-    assert settings == "sdpa, CFG batch 2; VAE tiled 512 px" and peak == (1024 + 1 + 3000) * MiB
-    peak, settings = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 4000 * MiB, **when_needed)
-    assert settings == "low memory 256 MiB, sdpa; VAE tiled 512 px" and peak == (1024 + 1 + 700) * MiB
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 4500 * MiB, **when_needed)
+    assert cell.settings.startswith("sdpa, CFG batch 2; VAE tiled 512 px") and cell.peak_bytes == (1024 + 1 + 3000) * MiB
+    assert not cell.low_memory
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, 4000 * MiB, **when_needed)
+    assert cell.settings.startswith("low memory 256 MiB, sdpa; VAE tiled 512 px") and cell.peak_bytes == (1024 + 1 + 700) * MiB
+    assert cell.low_memory
     assert "where the step is predicted not to fit" in bench.stack_chains(1024, bench.LOW_MEMORY_WHEN_NEEDED)[bench.SDOPT]
 
 
+def test_auto_offload_keeps_what_the_planners_budget_leaves_beside_each_setting():
+    auto = dict(weights_on_device=True, low_memory=bench.LOW_MEMORY_WHEN_NEEDED, offload_mb=None)
+    # 4000 MiB less 100 allocated, less the plain step's 1 + 3000 x 1.2: 299 MiB resident, more than the
+    # 90 streamed, so the plain step keeps 299 MiB and fits (100 + 299 + 1 + 3000 = 3400).
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 100 * MiB, 4000 * MiB, **auto)
+    assert not cell.low_memory and cell.offload_mb == 299 and cell.peak_bytes == (100 + 299 + 1 + 3000) * MiB
+    assert cell.settings.endswith("; Offload budget 299 MiB")
+    # 3700 MiB leaves the plain step no more than the streamed layers, and streamed it still fits
+    # (100 + 90 + 1 + 3000): sequential offload, without Low Memory.
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 100 * MiB, 3700 * MiB, **auto)
+    assert not cell.low_memory and cell.offload_mb == 0
+    # In 3000 MiB the plain step does not fit even streamed: Low Memory, with the whole UNet resident
+    # (1600 MiB; the budget leaves 3000 - 100 - 1 - 840).
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 100 * MiB, 3000 * MiB, **auto)
+    assert cell.low_memory and cell.offload_mb == 1600 and cell.peak_bytes == (100 + 1600 + 1 + 700) * MiB
+    # Where even Low Memory's step leaves no more than the streamed layers: sequential.
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 100 * MiB, 1000 * MiB, **auto)
+    assert cell.low_memory and cell.offload_mb == 0 and cell.settings.endswith("; Offload sequential")
+    assert "budget_mb from the planner" in bench.stack_chains(None)[bench.SDOPT]
+
+
 def test_on_a_cpu_the_weights_are_already_in_what_is_allocated():
-    peak, _ = bench.predict_cell(FixedPlanner(PEAKS), bench.STOCK, 1024, 2000 * MiB, 16000 * MiB, weights_on_device=False)
-    assert peak == (2000 + 1 + 5000) * MiB
+    cell = bench.predict_cell(FixedPlanner(PEAKS), bench.STOCK, 1024, 2000 * MiB, 16000 * MiB, weights_on_device=False)
+    assert cell.peak_bytes == (2000 + 1 + 5000) * MiB
 
 
 def test_cells_predicted_over_budget_run_only_when_confirmed_on_a_gpu():
@@ -152,3 +177,9 @@ def test_cli_rejects_bad_options_before_booting_comfyui(capsys, tmp_path, argv, 
     assert main(["bench", "resolutions", "--comfyui", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sdopt: error: ") and message in err
+
+
+def test_cli_offload_mb_takes_auto_or_mib(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "resolutions", "--comfyui", str(tmp_path), "--offload-mb", "lots"])
+    assert exit_.value.code == 2 and "--offload-mb: 'lots' is neither auto nor a number of MiB" in capsys.readouterr().err
