@@ -2,7 +2,8 @@
 
 It links the pack into ``<comfyui>/custom_nodes/sdopt`` (the way a user installs it, so ComfyUI
 serves ``web/`` and lists ``workflows/`` in its Templates dialog), writes an ``extra_model_paths.yaml``
-that points ComfyUI's checkpoints at ``<models>/checkpoints``, and starts ComfyUI's own ``main.py``
+that offers every model folder under ``<models>`` (``checkpoints``, and ``text_encoders``, ``loras``
+and the others where they exist) to ComfyUI, and starts ComfyUI's own ``main.py``
 with the Python running this. The browser tests start their server with the same ``serve``.
 """
 from __future__ import annotations
@@ -50,8 +51,9 @@ def install_pack(comfyui: Path) -> Path:
 
 
 def write_model_paths(models: Path, config_dir: Path | None = None) -> Path:
-    """The extra_model_paths.yaml offering ``<models>/checkpoints``, in config_dir (default $SDOPT_HOME,
-    else the models folder's parent)."""
+    """The extra_model_paths.yaml offering ``<models>/checkpoints`` and every other folder in
+    ``models`` under its own name (ComfyUI's model kinds: ``text_encoders`` holds the Flux minis' CLIP,
+    ``loras`` the generated LoRAs), in config_dir (default $SDOPT_HOME, else the models folder's parent)."""
     checkpoints = Path(models).resolve() / "checkpoints"
     if not checkpoints.is_dir():
         raise UserError(
@@ -63,7 +65,9 @@ def write_model_paths(models: Path, config_dir: Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "extra_model_paths.yaml"
     # A JSON string is a valid YAML scalar: paths with spaces or colons survive.
-    path.write_text(f"# written by python -m sdopt serve\nsdopt:\n  checkpoints: {json.dumps(str(checkpoints))}\n")
+    kinds = "".join(f"  {json.dumps(folder.name)}: {json.dumps(str(folder))}\n"
+                    for folder in sorted(checkpoints.parent.iterdir()) if folder.is_dir())
+    path.write_text(f"# written by python -m sdopt serve\nsdopt:\n{kinds}")
     return path
 
 
