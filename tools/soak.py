@@ -5,9 +5,12 @@ offered, a free localhost port, temporary output, user and database locations), 
 ``--prompts`` prompts over HTTP (``POST /prompt``, then ``/history/<id>`` until the prompt ends),
 one at a time. Each prompt is a random chain drawn from ``--seed``:
 
-- the MODEL path: sdopt Precision, Attention, Low Memory, Offload, Compile, CUDA Graph and Step Cache,
+- the checkpoint, one of ``--model`` (repeatable: SD1.5, SDXL, SD3.5 and Flux minis); a family whose
+  text encoder is a file of its own (sdopt's Flux) encodes through ComfyUI's CLIPLoader;
+- the MODEL path: sdopt Precision, Attention, Low Memory, Offload, Compile, CUDA Graph and Step Cache
+  (either mode on any family: the one that does not fit the model passes it through with a note),
   each in or out, in random order, with random settings, ComfyUI's LoraLoaderModelOnly (a generated
-  rank-4 LoRA) at a random place in it or absent, and sdopt Profiler last;
+  rank-4 LoRA for the checkpoint's family) at a random place in it or absent, and sdopt Profiler last;
 - the VAE path: sdopt VAE Precision, VAE Attention and Tiled VAE, in or out, in random order;
 - sdopt Profile Report on the decoded image, or not;
 - a random size (64 to 128 px a side, multiples of 32), 2 steps, a random sampler, scheduler, CFG and seed.
@@ -100,8 +103,10 @@ def _cuda_graph(rng: random.Random) -> dict:
 
 
 def _step_cache(rng: random.Random) -> dict:
-    return {"mode": "deepcache", "interval": rng.choice((1, 2, 3)), "branch": rng.choice((0, 1)),
-            "start": rng.choice((0.0, 0.2)), "end": rng.choice((0.8, 1.0)), "on_unavailable": "fallback"}
+    # Either mode on any family: the mode that does not fit the model must pass it through with a note.
+    return {"mode": rng.choice(("deepcache", "first_block")), "interval": rng.choice((1, 2, 3)), "branch": rng.choice((0, 1)),
+            "start": rng.choice((0.0, 0.2)), "end": rng.choice((0.8, 1.0)), "on_unavailable": "fallback",
+            "threshold": rng.choice((0.0, 0.08, 0.5))}
 
 
 def _profiler(rng: random.Random) -> dict:
@@ -145,6 +150,17 @@ class Link:
 
 
 @dataclass(frozen=True)
+class SoakModel:
+    """A checkpoint the prompts draw from: its generated LoRA (None: no LoRA) and, where its family's
+    text encoder is a file of its own (sdopt's Flux), that file and the type ComfyUI's CLIPLoader loads
+    it as."""
+
+    lora: str | None = None
+    text_encoder: str | None = None
+    clip_type: str = "stable_diffusion"
+
+
+@dataclass(frozen=True)
 class SoakPrompt:
     """One prompt of a soak: the checkpoint, the chains, the image and sampler settings."""
 
@@ -160,6 +176,8 @@ class SoakPrompt:
     model_chain: tuple[Link, ...]
     vae_chain: tuple[Link, ...]
     report: bool
+    text_encoder: str | None = None  # loaded by CLIPLoader as clip_type; None: the checkpoint's own
+    clip_type: str = "stable_diffusion"
 
     def nodes(self) -> set[str]:
         return {link.class_type for link in (*self.model_chain, *self.vae_chain)} | ({REPORT} if self.report else set())
@@ -172,12 +190,15 @@ class SoakPrompt:
 
     def api_prompt(self) -> dict:
         """The prompt in ComfyUI's API format."""
+        clip = ["clip", 0] if self.text_encoder else ["ckpt", 1]
         prompt = {
             "ckpt": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": self.checkpoint}},
-            "positive": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse on a cliff at sunset", "clip": ["ckpt", 1]}},
-            "negative": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry, watermark", "clip": ["ckpt", 1]}},
+            "positive": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse on a cliff at sunset", "clip": clip}},
+            "negative": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry, watermark", "clip": clip}},
             "latent": {"class_type": "EmptyLatentImage", "inputs": {"width": self.width, "height": self.height, "batch_size": 1}},
         }
+        if self.text_encoder:
+            prompt["clip"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": self.text_encoder, "type": self.clip_type}}
         model = ["ckpt", 0]
         for position, link in enumerate(self.model_chain):
             node_id = f"model{position}"
@@ -198,10 +219,10 @@ class SoakPrompt:
         return prompt
 
 
-def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None], warmup: int = DEFAULT_WARMUP) -> SoakPrompt:
-    """Prompt ``index`` of the soak with ``seed``; ``checkpoints`` maps each checkpoint file to its
-    LoRA file (None: no LoRA); the first ``warmup`` prompts start with Compile in each of its modes.
-    The same arguments always give the same prompt."""
+def plan_prompt(index: int, seed: int, checkpoints: dict[str, SoakModel], warmup: int = DEFAULT_WARMUP) -> SoakPrompt:
+    """Prompt ``index`` of the soak with ``seed``; ``checkpoints`` maps each checkpoint file to what
+    goes with it; the first ``warmup`` prompts start with Compile in each of its modes. The same
+    arguments always give the same prompt."""
     compile_mode = COMPILE_MODES_FIRST[index] if index < min(warmup, len(COMPILE_MODES_FIRST)) else None
     rng = random.Random(f"sdopt-soak {seed} {index}")
     forced = {name for position, name in enumerate(SOAK_NODES) if position % GROUPS == index % GROUPS}
@@ -218,7 +239,8 @@ def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None], warmu
     if compile_mode:
         model_chain = [Link(link.class_type, {**link.inputs, "mode": compile_mode}) if link.class_type == COMPILE else link
                        for link in model_chain]
-    lora = checkpoints[checkpoint]
+    model = checkpoints[checkpoint]
+    lora = model.lora
     if lora and rng.random() < 0.5:
         model_chain.insert(rng.randint(0, len(model_chain)),
                            Link(LORA, {"lora_name": lora, "strength_model": rng.choice((0.5, 1.0))}))
@@ -229,13 +251,14 @@ def plan_prompt(index: int, seed: int, checkpoints: dict[str, str | None], warmu
     return SoakPrompt(index=index, checkpoint=checkpoint, width=rng.choice(SIDES), height=rng.choice(SIDES),
                       steps=rng.choice(STEPS), seed=rng.randrange(2**32), cfg=rng.choice((1.0, 4.0, 7.0)),
                       sampler=rng.choice(SAMPLERS), scheduler=rng.choice(SCHEDULERS), model_chain=tuple(model_chain),
-                      vae_chain=tuple(vae_chain), report=report)
+                      vae_chain=tuple(vae_chain), report=report, text_encoder=model.text_encoder, clip_type=model.clip_type)
 
 
-def probe_prompt(checkpoint: str) -> dict:
+def probe_prompt(checkpoint: str, model: SoakModel = SoakModel()) -> dict:
     """The fixed prompt before each RSS reading: the checkpoint, no sdopt node, 64 px, 2 steps."""
     return SoakPrompt(index=0, checkpoint=checkpoint, width=64, height=64, steps=2, seed=0, cfg=7.0, sampler="euler",
-                      scheduler="normal", model_chain=(), vae_chain=(), report=False).api_prompt()
+                      scheduler="normal", model_chain=(), vae_chain=(), report=False, text_encoder=model.text_encoder,
+                      clip_type=model.clip_type).api_prompt()
 
 
 # --- the verdict ----------------------------------------------------------------------------------
@@ -408,7 +431,7 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
          log: Callable[[str], None] = lambda line: print(line, flush=True)) -> SoakResult:
     """Run the soak (see the module docstring); ``log`` gets its status lines, stdout one line per prompt."""
     from .bench_unet import checkpoint_path
-    from .modelgen import write_lora
+    from .modelgen import text_encoder_path, write_lora
     from .serve import LINK_NAME, _comfyui_root, free_port, install_pack, serve, stop, wait_ready
 
     if prompts < 1:
@@ -423,14 +446,16 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
     linked_here = not (link.is_symlink() or link.exists())
     with tempfile.TemporaryDirectory(prefix="sdopt-soak-") as scratch:
         scratch = Path(scratch)
-        checkpoints: dict[str, str | None] = {}
+        checkpoints: dict[str, SoakModel] = {}
         loras = scratch / "loras"
         for name in model_names:
-            resolve_model(name)
+            family, size = resolve_model(name)
             path = checkpoint_path(name, models)
             if path.parent.resolve() != (models / "checkpoints").resolve():
                 raise UserError(f"--model {name}: the checkpoint must be in {models / 'checkpoints'}, the folder ComfyUI is offered")
-            checkpoints[path.name] = write_lora(name, loras / f"sdopt-soak-{name}-lora.safetensors").path.name if lora else None
+            checkpoints[path.name] = SoakModel(
+                write_lora(name, loras / f"sdopt-soak-{name}-lora.safetensors").path.name if lora else None,
+                text_encoder_path(path).name if family.text_encoder_filename(size) else None, family.clip_type)
         lora_config = scratch / "loras.yaml"
         lora_config.write_text(f"sdopt_soak:\n  loras: {json.dumps(str(loras))}\n")
         (scratch / "output").mkdir()
@@ -456,7 +481,8 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
             result.device = _device(client)
             log(f"soak: ComfyUI at {client.url} ({result.device}), {prompts} prompts, seed {seed}, RSS read after "
                 f"{warmup} warm-up prompts and at the end")
-            probe = probe_prompt(sorted(checkpoints)[0])
+            first = sorted(checkpoints)[0]
+            probe = probe_prompt(first, checkpoints[first])
             _run_prompts(client, process, result, checkpoints, probe, prompt_timeout, log)
         finally:
             result.seconds = time.monotonic() - start

@@ -8,7 +8,7 @@ import pytest
 
 from sdopt.tools.cli import main
 from sdopt.tools.serve import LINK_NAME
-from sdopt.tools.soak import SOAK_NODES, plan_prompt
+from sdopt.tools.soak import SOAK_NODES, SoakModel, plan_prompt
 
 
 def test_soak_of_five_prompts_has_no_failure(tmp_path, capsys):
@@ -36,7 +36,8 @@ def test_soak_of_five_prompts_has_no_failure(tmp_path, capsys):
     assert data["rss_warm_bytes"] > 0 and data["rss_end_bytes"] > 0 and data["drift"] is not None
     assert data["command"].startswith("python -m sdopt soak --prompts 5")
     assert [o["chain"] for o in data["outcomes"]] == [
-        plan_prompt(index, 0, {"sdopt-mini-sd15.safetensors": "sdopt-soak-mini-lora.safetensors"}, 0).describe() for index in range(5)]
+        plan_prompt(index, 0, {"sdopt-mini-sd15.safetensors": SoakModel("sdopt-soak-mini-lora.safetensors")}, 0).describe()
+        for index in range(5)]
     assert all(name.removeprefix("SDOpt") in out for name in SOAK_NODES), "5 prompts use every node"
     assert sum(line.startswith("prompt ") for line in out.splitlines()) == 5 and "\x1b[" not in out
     assert (link.is_symlink() or link.exists()) == linked_before

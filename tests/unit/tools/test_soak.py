@@ -9,12 +9,13 @@ import pytest
 from sdopt.nodes.registry import NODE_CLASS_MAPPINGS
 from sdopt.tools.cli import build_parser, main
 from sdopt.tools.soak import (
-    GROUPS, LORA, PROFILER, REPORT, SOAK_NODES, SUCCESS, PromptOutcome, SoakResult, _rejection, drift, history_error,
+    GROUPS, LORA, PROFILER, REPORT, SOAK_NODES, SUCCESS, PromptOutcome, SoakModel, SoakResult, _rejection, drift, history_error,
     plan_prompt, probe_prompt, problems,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
-CHECKPOINTS = {"sdopt-mini-sd15.safetensors": "sdopt-soak-mini-lora.safetensors"}
+CHECKPOINTS = {"sdopt-mini-sd15.safetensors": SoakModel("sdopt-soak-mini-lora.safetensors")}
+FLUX = {"sdopt-mini-flux.safetensors": SoakModel("sdopt-soak-flux-mini-lora.safetensors", "sdopt-mini-flux-text.safetensors")}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,7 @@ def test_any_five_consecutive_prompts_use_every_node_and_the_lora_comes_and_goes
     many = [plan_prompt(index, 0, CHECKPOINTS) for index in range(40)]
     with_lora = [any(link.class_type == LORA for link in p.model_chain) for p in many]
     assert any(with_lora) and not all(with_lora)
-    no_lora = [plan_prompt(index, 0, {"sdopt-mini-sd15.safetensors": None}) for index in range(20)]
+    no_lora = [plan_prompt(index, 0, {"sdopt-mini-sd15.safetensors": SoakModel()}) for index in range(20)]
     assert not any(link.class_type == LORA for p in no_lora for link in p.model_chain)
 
 
@@ -163,3 +164,21 @@ def test_cli_options_and_a_missing_comfyui(capsys, tmp_path, monkeypatch):
     assert (args.prompts, args.seed, args.max_drift, args.warmup, args.model, args.port) == (5, 3, 2.5, 5, None, None)
     assert main(["soak", "--comfyui", str(tmp_path), "--prompts", "1"]) == 2
     assert f"ComfyUI not found at {tmp_path}" in capsys.readouterr().err
+
+
+def test_a_family_with_its_own_text_encoder_file_encodes_through_clip_loader(core_definitions):
+    for index in range(10):
+        prompt = plan_prompt(index, 0, FLUX).api_prompt()
+        _validate(prompt, core_definitions)
+        assert prompt["clip"]["inputs"] == {"clip_name": "sdopt-mini-flux-text.safetensors", "type": "stable_diffusion"}
+        assert prompt["positive"]["inputs"]["clip"] == prompt["negative"]["inputs"]["clip"] == ["clip", 0]
+    probe = probe_prompt("sdopt-mini-flux.safetensors", FLUX["sdopt-mini-flux.safetensors"])
+    _validate(probe, core_definitions)
+    assert probe["positive"]["inputs"]["clip"] == ["clip", 0]
+    assert "clip" not in plan_prompt(0, 0, CHECKPOINTS).api_prompt(), "the other families encode with the checkpoint's CLIP"
+
+
+def test_step_cache_draws_both_modes():
+    modes = {link.inputs["mode"] for index in range(40) for link in plan_prompt(index, 0, CHECKPOINTS).model_chain
+             if link.class_type == "SDOptStepCache"}
+    assert modes == {"deepcache", "first_block"}
