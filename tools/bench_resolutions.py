@@ -139,11 +139,14 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
         unet_settings = (UNET_SETTINGS[0], lowmem) if low_memory == LOW_MEMORY_WHEN_NEEDED else (lowmem,)
         vae_settings = VAE_SETTINGS
 
-    def unet_offload_mb(step) -> int:
-        if offload_mb is not None:
-            return offload_mb
-        resident = budget_resident_bytes(planner, step, budget_bytes - allocated_bytes)
-        return resident // _MiB if resident else 0
+    def unet_weights(step) -> tuple[int, int]:
+        """(the UNet weight bytes on the device during ``step``, the sdopt Offload budget in MiB; 0: sequential)."""
+        if stack == STOCK:
+            return planner.weights["unet"], 0
+        mb = offload_mb
+        if mb is None:
+            mb = (budget_resident_bytes(planner, step, budget_bytes - allocated_bytes) or 0) // _MiB
+        return (min(planner.weights["unet"], mb * _MiB) if mb else planner.streamed_unet_bytes), mb
 
     def total(step_or_decode, weights_bytes: int) -> int:
         loaded = weights_bytes if weights_on_device else 0
@@ -151,12 +154,8 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
 
     for unet_setting in unet_settings:
         step = planner.predict(UNET_STEP, unet_setting, size, size)
-        cell_offload_mb = 0 if stack == STOCK else unet_offload_mb(step)
-        if stack == STOCK:
-            unet_weights = planner.weights["unet"]
-        else:
-            unet_weights = min(planner.weights["unet"], cell_offload_mb * _MiB) if cell_offload_mb else planner.streamed_unet_bytes
-        unet_peak = total(step, unet_weights)
+        weights_bytes, cell_offload_mb = unet_weights(step)
+        unet_peak = total(step, weights_bytes)
         if unet_peak <= budget_bytes:
             break
     for vae_setting in vae_settings:

@@ -63,9 +63,9 @@ def _mini_checkpoint(models: Path, family: Family) -> Path:
 
 def _unloadable_reason(checkpoint: Path) -> str | None:
     """Why this ComfyUI cannot build the diffusion model of ``checkpoint`` with its shapes, or None.
-    ComfyUI before 0.3.7x fixes Flux's text width (``context_in_dim``) at T5-XXL's 4096 instead of
-    reading it from ``txt_in.weight``, and sdopt's generated Flux carries CLIP-L's 768-wide token
-    states (families/flux.py). Read from the file's header and ComfyUI's own detection, not from a
+    ComfyUI 0.3.64 fixes Flux's text width (``context_in_dim``) at T5-XXL's 4096 (0.3.75 reads it from
+    ``txt_in.weight``), and sdopt's generated Flux carries CLIP-L's 768-wide token states
+    (families/flux.py). Read from the file's header and ComfyUI's own detection, not from a
     version string."""
     import comfy.model_detection
     from safetensors import safe_open
