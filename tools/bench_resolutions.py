@@ -42,6 +42,7 @@ from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, PeakMemory, format_mib
 from ..measure.report import markdown_table
 from ..optim.heap_trim import trim_heap
+from ..optim.offload import OffloadConfig
 from ..optim.precision import DTYPES
 from ..optim.tiled_vae import free_memory
 from .bench_speed import empty_latent, encode_prompts, optimization_notes, profiled_sample, timed_decode
@@ -57,13 +58,15 @@ LOW_MEMORY_ALWAYS, LOW_MEMORY_WHEN_NEEDED = "always", "when-needed"
 LOW_MEMORY_CHOICES = (LOW_MEMORY_ALWAYS, LOW_MEMORY_WHEN_NEEDED)
 
 
+def offload_config(offload_mb: int) -> OffloadConfig:
+    """The sdopt stack's Offload settings: a budget of ``offload_mb`` MiB, or with 0 sequential."""
+    return OffloadConfig("budget", offload_mb * _MiB) if offload_mb else OffloadConfig("sequential", 0)
+
+
 def stack_chains(offload_mb: int | None, low_memory: str = LOW_MEMORY_ALWAYS) -> dict[str, str]:
     """What each stack wires; ``offload_mb`` 0 streams the whole UNet (Offload's sequential mode),
     None takes the planner's budget per cell."""
-    if offload_mb is None:
-        offload = "budget_mb from the planner per size, or sequential"
-    else:
-        offload = f"budget {offload_mb} MiB" if offload_mb else "sequential"
+    offload = "budget_mb from the planner per size, or sequential" if offload_mb is None else offload_config(offload_mb).describe()
     lowmem = f"LowMemory({LOWMEM_BUDGET_MB} MiB)"
     if low_memory == LOW_MEMORY_WHEN_NEEDED:
         lowmem += " where the step is predicted not to fit without it"
@@ -164,7 +167,7 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
             break
     settings = f"{unet_setting.name}; VAE {vae_setting.name}"
     if stack == SDOPT:
-        settings += f"; Offload {f'budget {cell_offload_mb:,} MiB' if cell_offload_mb else 'sequential'}"
+        settings += f"; Offload {offload_config(cell_offload_mb).describe()}"
     return CellPlan(max(unet_peak, vae_peak), settings, unet_setting is lowmem, cell_offload_mb)
 
 
@@ -173,7 +176,8 @@ def _sdopt_model(host, model, cell: CellPlan):
     node = host.node_classes
     if cell.low_memory:
         model = node["SDOptLowMemory"]().patch(model, LOWMEM_BUDGET_MB, True, True)[0]
-    return node["SDOptOffload"]().patch(model, "budget" if cell.offload_mb else "sequential", cell.offload_mb, "fallback")[0]
+    offload = offload_config(cell.offload_mb)
+    return node["SDOptOffload"]().patch(model, offload.mode, offload.budget_bytes // _MiB, "fallback")[0]
 
 
 def _oom_errors(model_management) -> tuple[type[BaseException], ...]:

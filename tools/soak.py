@@ -176,8 +176,7 @@ class SoakPrompt:
     model_chain: tuple[Link, ...]
     vae_chain: tuple[Link, ...]
     report: bool
-    text_encoder: str | None = None  # loaded by CLIPLoader as clip_type; None: the checkpoint's own
-    clip_type: str = "stable_diffusion"
+    model: SoakModel = SoakModel()  # what goes with the checkpoint: its text encoder file, if any, for CLIPLoader
 
     def nodes(self) -> set[str]:
         return {link.class_type for link in (*self.model_chain, *self.vae_chain)} | ({REPORT} if self.report else set())
@@ -190,15 +189,15 @@ class SoakPrompt:
 
     def api_prompt(self) -> dict:
         """The prompt in ComfyUI's API format."""
-        clip = ["clip", 0] if self.text_encoder else ["ckpt", 1]
+        clip = ["clip", 0] if self.model.text_encoder else ["ckpt", 1]
         prompt = {
             "ckpt": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": self.checkpoint}},
             "positive": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse on a cliff at sunset", "clip": clip}},
             "negative": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry, watermark", "clip": clip}},
             "latent": {"class_type": "EmptyLatentImage", "inputs": {"width": self.width, "height": self.height, "batch_size": 1}},
         }
-        if self.text_encoder:
-            prompt["clip"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": self.text_encoder, "type": self.clip_type}}
+        if self.model.text_encoder:
+            prompt["clip"] = {"class_type": "CLIPLoader", "inputs": {"clip_name": self.model.text_encoder, "type": self.model.clip_type}}
         model = ["ckpt", 0]
         for position, link in enumerate(self.model_chain):
             node_id = f"model{position}"
@@ -251,14 +250,13 @@ def plan_prompt(index: int, seed: int, checkpoints: dict[str, SoakModel], warmup
     return SoakPrompt(index=index, checkpoint=checkpoint, width=rng.choice(SIDES), height=rng.choice(SIDES),
                       steps=rng.choice(STEPS), seed=rng.randrange(2**32), cfg=rng.choice((1.0, 4.0, 7.0)),
                       sampler=rng.choice(SAMPLERS), scheduler=rng.choice(SCHEDULERS), model_chain=tuple(model_chain),
-                      vae_chain=tuple(vae_chain), report=report, text_encoder=model.text_encoder, clip_type=model.clip_type)
+                      vae_chain=tuple(vae_chain), report=report, model=model)
 
 
 def probe_prompt(checkpoint: str, model: SoakModel = SoakModel()) -> dict:
     """The fixed prompt before each RSS reading: the checkpoint, no sdopt node, 64 px, 2 steps."""
     return SoakPrompt(index=0, checkpoint=checkpoint, width=64, height=64, steps=2, seed=0, cfg=7.0, sampler="euler",
-                      scheduler="normal", model_chain=(), vae_chain=(), report=False, text_encoder=model.text_encoder,
-                      clip_type=model.clip_type).api_prompt()
+                      scheduler="normal", model_chain=(), vae_chain=(), report=False, model=model).api_prompt()
 
 
 # --- the verdict ----------------------------------------------------------------------------------
