@@ -61,6 +61,14 @@ def _mini_checkpoint(models: Path, family: Family) -> Path:
                              text_encoder_out=models / "text_encoders" / text_encoder if text_encoder else None)
 
 
+def _file_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape in the safetensors file at ``path``, read from its header alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        return {key: file.get_slice(key).get_shape() for key in file.keys()}
+
+
 def _unloadable_reason(checkpoint: Path) -> str | None:
     """Why this ComfyUI cannot build the diffusion model of ``checkpoint`` with its shapes, or None.
     ComfyUI 0.3.64 fixes Flux's text width (``context_in_dim``) at T5-XXL's 4096 (0.3.75 reads it from
@@ -68,13 +76,11 @@ def _unloadable_reason(checkpoint: Path) -> str | None:
     (families/flux.py). Read from the file's header and ComfyUI's own detection, not from a
     version string."""
     import comfy.model_detection
-    from safetensors import safe_open
 
     from sdopt.families import UNET_PREFIX
 
-    with safe_open(str(checkpoint), "pt") as file:
-        keys = [key for key in file.keys() if key.startswith(UNET_PREFIX)]
-        state = {key: torch.empty(file.get_slice(key).get_shape(), device="meta") for key in keys}
+    state = {key: torch.empty(shape, device="meta") for key, shape in _file_shapes(checkpoint).items()
+             if key.startswith(UNET_PREFIX)}
     text_in = state.get(UNET_PREFIX + "txt_in.weight")
     if text_in is None:
         return None
@@ -94,6 +100,7 @@ class ComfyHostFixture:
     WORKFLOWS = WORKFLOWS
     SMALL = SMALL
     FP32_PRECISION_ATTENTION = FP32_PRECISION_ATTENTION
+    file_shapes = staticmethod(_file_shapes)
 
     def __init__(self, host, checkpoint: Path, model_family: Family, views: dict | None = None):
         self.host = host

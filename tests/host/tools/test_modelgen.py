@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from sdopt.families import UNET_PREFIX, VAE_PREFIX, family_of_config_class, resolve_model
 from sdopt.tools.modelgen import write_lora
@@ -20,11 +19,6 @@ from sdopt.tools.modelgen import write_lora
 # its "clip missing" warning (comfy/sd.py): CLIP-L's projection and temperature.
 CLIP_UNSET = {"clip_l.logit_scale", "clip_l.transformer.text_projection.weight"}
 MANIFEST_FIXTURES = Path(__file__).resolve().parents[2] / "unit" / "tools" / "fixtures"
-
-
-def _file_shapes(path) -> dict[str, list[int]]:
-    with safe_open(str(path), "pt") as file:
-        return {key: file.get_slice(key).get_shape() for key in file.keys()}
 
 
 def _strip(keys, prefix: str) -> set[str]:
@@ -45,7 +39,7 @@ def test_checkpoint_loader_detects_the_family(family_host):
 
 def test_every_key_of_the_file_is_loaded_and_nothing_is_missing(family_host):
     model, clip, vae = family_host.load_checkpoint()
-    shapes = _file_shapes(family_host.checkpoint)
+    shapes = family_host.file_shapes(family_host.checkpoint)
     vae_prefix = family_host.model_family.sizes["mini"].vae_prefix
     # through ComfyUI's own renaming on load (newer ComfyUIs name Flux's RMSNorm scales ``weight``)
     in_file = {key: torch.empty(shapes[UNET_PREFIX + key], device="meta") for key in _strip(shapes, UNET_PREFIX)}
@@ -58,7 +52,7 @@ def test_every_key_of_the_file_is_loaded_and_nothing_is_missing(family_host):
         # Flux: no text encoder in the checkpoint; CLIPLoader built CLIP-L from its own file, whose
         # keys sit under the built encoder's ``transformer.``.
         assert set(shapes) == {key for key in shapes if key.startswith((UNET_PREFIX, vae_prefix))}
-        separate = _file_shapes(family_host.models / "text_encoders" / text_file)
+        separate = family_host.file_shapes(family_host.models / "text_encoders" / text_file)
         (prefix,) = {key[: -len(name)] for key in built for name in separate if key.endswith("transformer." + name)}
         assert set(built) - {prefix + key for key in separate} <= CLIP_UNSET
         assert all(list(built[prefix + key].shape) == list(shape) for key, shape in separate.items())
