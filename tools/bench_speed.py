@@ -24,6 +24,12 @@ With ``profile``, each rung then samples one more prompt under torch.profiler
 whether the device or the host bounds the step, with the host syncs and the costliest kernels;
 ``trace_dir`` keeps each of those prompts as a Perfetto trace.
 
+Rungs that share a process share torch's compiler: a later compiling rung reuses kernels an earlier one
+built, so compile times depend on the rungs' order. ``bench_speed_isolated`` (``--isolate``) runs each
+rung in a fresh process beside a stock run of its own, with empty compiler caches (sdopt's, inductor's,
+Triton's): every rung's compile time is cold and its own, and its speedup is against its own process's
+stock.
+
 ``model`` is a generated model (``mini``, ``sdxl-mini``, ...) or a checkpoint file. The prompt is
 encoded with the image size beside it, as ComfyUI's CLIPTextEncodeSDXL does: a family whose
 diffusion model takes a size vector (SDXL's ``y``) embeds it, the others ignore it.
@@ -33,9 +39,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import statistics
+import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +53,7 @@ from ..measure.report import markdown_table
 from ..measure.step_profile import profile_device
 from .bench_unet import checkpoint_path, load_checkpoint
 from .bench_vae import image_psnr
+from .fresh_process import run_in_fresh_process, serve_child
 from .progress import progress_bar
 
 PROMPT = "a lighthouse on a cliff at dusk, highly detailed"
@@ -141,6 +149,7 @@ class SpeedRow:
     within_tolerance: bool | None = None  # of IMAGE_TOLERANCE, against the eager twin
     psnr_vs_eager_db: float | None = None  # the approximate rungs' (step caches) PSNR against their uncached twin
     inductor_start_up_s: float | None = None  # stock's row: the tiny compile run before the first compiling rung
+    isolated: bool = False  # ran in a fresh process beside its own stock run, compiler caches empty (--isolate)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -413,6 +422,33 @@ def bench_speed(
     return rows
 
 
+# Where each isolated rung's compilers keep their caches: sdopt's compile cache (optim/compile.py), and
+# inductor's and Triton's own for what compiles outside it (ComfyUI's TorchCompileModel, diffusers).
+COMPILER_CACHE_VARIABLES = ("SDOPT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def bench_speed_isolated(comfyui: Path, rungs: list[str] = RUNGS, progress: bool = True, **options) -> list[SpeedRow]:
+    """``bench_speed`` with each rung in a fresh process beside a stock run of its own, every compiler cache
+    an empty folder: the first process's stock row, then each rung's row. ``options``: ``bench_speed``'s."""
+    names = [r for r in rungs if r != STOCK]
+    if not names:
+        return bench_speed(comfyui, rungs=[STOCK], progress=progress, **options)
+    rows = []
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix="sdopt-bench-speed-") as caches:
+            spec = {**options, "comfyui": str(comfyui), "rungs": [STOCK, name], "progress": progress}
+            spec = {key: str(value) if isinstance(value, Path) else value for key, value in spec.items()}
+            env = {variable: str(Path(caches) / variable.lower()) for variable in COMPILER_CACHE_VARIABLES}
+            child = [SpeedRow(**row) for row in run_in_fresh_process(__spec__.name, spec, f"the {name} rung", env=env,
+                                                                      show_progress=progress)]
+        rows += [replace(row, isolated=True) for row in child if row.rung == name or (row.rung == STOCK and not rows)]
+    return rows
+
+
+def _sampled_in_this_process(spec: dict) -> list[dict]:
+    return [row.to_dict() for row in bench_speed(**spec)]
+
+
 def warm_inductor(device: torch.device) -> float | None:
     """Seconds of doctor's tiny inductor compile on ``device``; None where it cannot compile (the
     compiling rungs then say why in their records)."""
@@ -439,7 +475,11 @@ def speed_table(rows: list[SpeedRow]) -> str:
     tolerance = (f"Eager twin: the same nodes without trace, compile or graph; tolerance: at most {IMAGE_TOLERANCE.max_levels:g} "
                  f"levels of 0–255 anywhere and {IMAGE_TOLERANCE.mean_levels:g} on average.")
     start_up = [r.inductor_start_up_s for r in rows if r.inductor_start_up_s is not None]
-    if start_up:
+    if any(r.isolated for r in rows):
+        tolerance += (" Each rung ran in a fresh process beside a stock run of its own, with empty compiler caches (--isolate): "
+                      "its compile time is cold and its own (a tiny compile first paid torch's per-process start-up), its speedup "
+                      "is against that process's stock; the stock row is the first process's.")
+    elif start_up:
         tolerance += (f" Before the first compiling rung a tiny compile took {start_up[0]:.1f} s, torch's per-process start-up: "
                       "no rung's compile time holds it (a later rung may still reuse kernels an earlier one compiled).")
     return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7, 8}) + ["", *notes, "", tolerance])
@@ -494,3 +534,7 @@ def save_plot(rows: list[SpeedRow], path: Path) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
+
+
+if __name__ == "__main__":
+    serve_child(_sampled_in_this_process)

@@ -12,10 +12,7 @@ The parent compares the two images: PSNR of the tiled image against the untiled 
 """
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -28,6 +25,7 @@ from ..families import MODEL_NAMES, checkpoint_config, resolve_model
 from ..measure.profiler import format_mib, peak_rss_growth
 from ..measure.report import markdown_table
 from ..optim.heap_trim import trim_heap
+from .fresh_process import run_in_fresh_process, serve_child
 from .modelgen import diffusers_vae_config, generate_tensor, vae_ldm_specs
 from .progress import progress_bar
 
@@ -121,11 +119,7 @@ def decode_once(spec: dict) -> dict:
 
 
 def _run_child(spec: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", __name__, json.dumps(spec)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the {'tiled' if spec['tiled'] else 'untiled'} {spec['size']} px decode failed "
-                           f"(exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_fresh_process(__spec__.name, spec, f"the {'tiled' if spec['tiled'] else 'untiled'} {spec['size']} px decode")
 
 
 def psnr(image: torch.Tensor, reference: torch.Tensor) -> float:
@@ -207,4 +201,4 @@ def vae_table(rows: list[VAEBenchRow]) -> str:
 
 
 if __name__ == "__main__":
-    print(json.dumps(decode_once(json.loads(sys.argv[1]))))
+    serve_child(decode_once)

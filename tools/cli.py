@@ -110,9 +110,9 @@ def _bench_unet(args: argparse.Namespace) -> None:
 
 
 def _bench_speed(args: argparse.Namespace) -> None:
-    from .bench_speed import bench_speed, save_plot, speed_table, step_profile_table
+    from .bench_speed import bench_speed, bench_speed_isolated, save_plot, speed_table, step_profile_table
 
-    rows = bench_speed(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs,
+    rows = (bench_speed_isolated if args.isolate else bench_speed)(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs,
                        models=args.models, vram_cap=_vram_cap(args), profile=args.profile, trace_dir=args.trace_dir)
     _print_rows("\n\n".join(filter(None, [speed_table(rows), step_profile_table(rows)])), rows, args.json)
     if args.plot:
@@ -376,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--profile", action="store_true",
                        help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels")
     speed.add_argument("--trace-dir", type=Path, help="keep each profiled prompt as a Perfetto trace, RUNG.trace.json.gz (implies --profile)")
+    speed.add_argument("--isolate", action="store_true", help=(
+        "each rung in a fresh process beside a stock run of its own, with empty compiler caches: cold compile "
+        "times that do not depend on the rungs' order (one model load per rung)"))
     _add_comfyui_bench_options(speed)
     speed.set_defaults(handler=_bench_speed)
     resolutions = bench_kinds.add_parser(

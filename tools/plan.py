@@ -45,8 +45,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,6 +69,7 @@ from ..optim.memory_plan import (
     predict_peak,
 )
 from ..optim.precision import DTYPES
+from .fresh_process import run_in_fresh_process, serve_child
 from .modelgen import (
     UNET_PREFIX,
     checkpoint_specs,
@@ -676,10 +675,7 @@ def measure_stage_details(model: str, stage: str, width: int, height: int, dtype
         raise UserError("measuring on a CPU reads /proc/self/status: it needs Linux")
     spec = {"model": architecture(model), "stage": stage, "width": width, "height": height, "dtype": dtype, "device": device,
             "cap_bytes": cap_bytes}
-    done = subprocess.run([sys.executable, "-m", __spec__.name, json.dumps(spec)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"measuring {stage} at {width}x{height} failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_fresh_process(__spec__.name, spec, f"measuring {stage} at {width}x{height}")
 
 
 @dataclass(frozen=True)
@@ -744,10 +740,5 @@ def check_table(rows: list[CheckRow]) -> str:
     return "\n".join(markdown_table(headers, body, right={2, 3, 5}))
 
 
-def _main(argv: list[str]) -> None:
-    """``measure_stage``'s fresh process: measure the one stage its JSON argument names, print the result."""
-    print(json.dumps(_measure_here(json.loads(argv[0]))))
-
-
 if __name__ == "__main__":
-    _main(sys.argv[1:])
+    serve_child(_measure_here)

@@ -1,6 +1,6 @@
 """bench speed inside ComfyUI, on the mini checkpoint at 64 px: stock first as the reference, every
 requested rung measured in interleaved rounds, its image checked against its eager twin's, a
-profiled prompt per rung, and the CLI's JSON, plot and traces."""
+profiled prompt per rung, and the CLI's JSON, plot and traces; --isolate's rung in a process of its own."""
 import json
 
 import pytest
@@ -81,3 +81,15 @@ def test_sdxl_mini_samples_with_its_y_vector(comfy_host, sdxl_checkpoint):
     assert [r.rung for r in rows] == ["stock", "precision"]
     assert all(r.steady_it_per_s > 0 and r.decode_s > 0 for r in rows)
     assert "SDOptPrecision" in rows[1].notes
+
+
+def test_isolate_compiles_cold_in_a_process_of_its_own(comfy_host):
+    from sdopt.tools.bench_speed import bench_speed_isolated
+
+    rows = bench_speed_isolated(comfy_host.host.path, model=str(comfy_host.checkpoint), size=64, steps=2, rounds=1,
+                                rungs=["compile"], progress=False)
+    assert [(row.rung, row.isolated) for row in rows] == [("stock", True), ("compile", True)]
+    compiled = rows[1]
+    assert "cache: " in compiled.notes and "sdopt-bench-speed-" in compiled.notes.split("cache: ")[1], "the child's own cache"
+    assert "none of its" in compiled.notes and "in inductor's cache" in compiled.notes, "cold, whatever this process compiled"
+    assert compiled.compile_s > 0 and compiled.within_tolerance

@@ -1,12 +1,23 @@
 """bench speed's image check: the difference of two images in levels of 0–255, and the tolerance
 a traced, compiled or graphed rung's image must keep to its eager twin's; the inductor warm-up
-before the first compiling rung."""
+before the first compiling rung; ``--isolate``'s one fresh process per rung."""
+from pathlib import Path
+
 import pytest
 import torch
 
 from sdopt.measure.profiler import MEMORY_RAM
-from sdopt.tools import doctor
-from sdopt.tools.bench_speed import IMAGE_TOLERANCE, ImageTolerance, SpeedRow, pixel_difference, speed_table, warm_inductor
+from sdopt.tools import bench_speed, doctor
+from sdopt.tools.bench_speed import (
+    COMPILER_CACHE_VARIABLES,
+    IMAGE_TOLERANCE,
+    ImageTolerance,
+    SpeedRow,
+    bench_speed_isolated,
+    pixel_difference,
+    speed_table,
+    warm_inductor,
+)
 
 
 def test_difference_is_in_levels_of_255():
@@ -57,3 +68,28 @@ def _row(rung: str, start_up_s=None) -> SpeedRow:
 def test_the_table_says_the_start_up_was_paid_before_the_rungs():
     assert "tiny compile took 2.4 s" in speed_table([_row("stock", 2.4), _row("compile")])
     assert "tiny compile" not in speed_table([_row("stock"), _row("graph")]), "no compiling rung, no warm-up"
+
+
+def test_isolate_runs_each_rung_in_its_own_process_with_empty_compiler_caches(monkeypatch, tmp_path):
+    children = []
+
+    def fresh_process(module, spec, what, env, show_progress):
+        caches = [Path(env[variable]) for variable in COMPILER_CACHE_VARIABLES]
+        children.append((spec, caches))
+        assert module == bench_speed.__spec__.name and what == f"the {spec['rungs'][1]} rung"
+        assert all(not path.exists() and path.parent.is_dir() for path in caches), "an empty folder of the child's own"
+        return [_row(rung).to_dict() for rung in spec["rungs"]]
+
+    monkeypatch.setattr(bench_speed, "run_in_fresh_process", fresh_process)
+    rows = bench_speed_isolated(tmp_path / "ComfyUI", rungs=["stock", "compile", "compile_regional"], model="sd35-mini",
+                                models=tmp_path / "models", steps=8, progress=False)
+
+    assert [row.rung for row in rows] == ["stock", "compile", "compile_regional"]
+    assert all(row.isolated for row in rows)
+    assert [spec["rungs"] for spec, _ in children] == [["stock", "compile"], ["stock", "compile_regional"]]
+    first, second = children
+    assert first[0]["models"] == str(tmp_path / "models") and first[0]["steps"] == 8, "options reach the child as JSON"
+    assert not set(first[1]) & set(second[1]), "no rung sees another's caches"
+    assert not any(path.parent.exists() for _, caches in children for path in caches), "removed after the child"
+    assert "fresh process beside a stock run of its own" in speed_table(rows)
+    assert "fresh process" not in speed_table([_row("stock"), _row("compile")])
