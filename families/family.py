@@ -207,7 +207,9 @@ class Family:
     also answer to the bare size (``mini``). ``comfy_configs`` are the names of ComfyUI's
     ``supported_models`` classes that belong to it (subclasses included). ``vae_layout`` names the
     VAE architecture for the tiled VAE's adapters. ``repeated_blocks`` are the class names of the
-    blocks that repeat in the diffusion model (regional compile's unit); ``feedforward_modules``
+    blocks that repeat in the diffusion model (regional compile's unit: each class is compiled once,
+    so a small model with one block of a kind still compiles that block; a UNet's resamplers are
+    among them); ``feedforward_modules``
     those of its token-wise feed-forwards (Low Memory slices them over tokens; an attribute name such as
     ``img_mlp`` where their class is generic). ``block_groups`` are a transformer's chains of blocks in
     the order its forward runs them, each as (ComfyUI's ``dit`` block-patch name, the attribute that
@@ -222,7 +224,7 @@ class Family:
     latent: LatentFormat
     call: DiffusionCall
     vae_layout: str = "ldm_autoencoder_kl"
-    repeated_blocks: tuple[str, ...] = ("ResBlock", "SpatialTransformer")
+    repeated_blocks: tuple[str, ...] = ("ResBlock", "SpatialTransformer", "Downsample", "Upsample")
     feedforward_modules: tuple[str, ...] = ("FeedForward",)
     block_groups: tuple[tuple[str, str], ...] = ()
     bare_sizes: bool = False

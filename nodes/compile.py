@@ -97,7 +97,8 @@ class SDOptCompile:
 
     def patch(self, model, mode, backend, compile_mode, dynamic, fullgraph, on_unavailable):
         glue.check_inputs(SDOptCompile, mode=mode, backend=backend, compile_mode=compile_mode, dynamic=dynamic, fullgraph=fullgraph, on_unavailable=on_unavailable)
-        config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph)
+        blocks = glue.model_family(model).described.repeated_blocks if mode == "compile_regional" else ()
+        config = CompileConfig(mode, backend, compile_mode, dynamic, fullgraph, block_classes=blocks)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         m, path_note = fast_path.fast_path_clone(model, NODE, requested, unavailable(config, model.load_device), on_unavailable, fast_path.COMPILE, config)
         if path_note is not None:

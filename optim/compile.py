@@ -6,8 +6,10 @@ Python values (step count, sigmas, CFG scale) never reach a guard: a new input s
 once, and every other change runs the cached code. Weights stay inputs in every mode:
 
 - ``compile``: dynamo lifts parameters to graph inputs, so replaced weights are read, not baked in;
-- ``compile_regional``: each block class that repeats is compiled once and shared by its
-  instances (their ``forward`` is bound to the compiled one only while the call runs); instances
+- ``compile_regional``: each block class is compiled once and shared by its instances (their
+  ``forward`` is bound to the compiled one only while the call runs). The blocks are those of the
+  classes ``block_classes`` names (the model family's repeated blocks), a class that occurs once
+  included; with none named or found, every composite class that occurs at least twice. Instances
   differ in shape and in the per-block numbers ComfyUI passes along, so unless ``dynamic`` is set
   those become dynamic on the first difference (torch's automatic dynamic), not one compile each;
 - ``trace``: one trace per input signature, taking the weights as inputs, so replaced weights need
@@ -49,7 +51,7 @@ import time
 import types
 import warnings
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,7 @@ class CompileConfig:
     fullgraph: bool = False
     freeze: bool = False
     max_traces: int = 4
+    block_classes: tuple[str, ...] = ()  # compile_regional's blocks, by class name (the model family's repeated blocks)
 
     def __post_init__(self):
         for name, value, allowed in (("mode", self.mode, MODES), ("backend", self.backend, BACKENDS), ("compile_mode", self.compile_mode, COMPILE_MODES)):
@@ -162,6 +165,7 @@ class CompileStats:
     slower_than_eager: dict = field(default_factory=dict)  # signature → its SpeedTrial: these run eagerly
     cpu_probed: bool = False
     cpu_probe_seconds: float = 0.0  # torch's CPU vector-ISA probe, outside compile_seconds
+    regional_blocks: dict[str, int] | None = None  # compile_regional: instances per compiled block class
 
     @property
     def cache_entries(self) -> int:
@@ -170,6 +174,8 @@ class CompileStats:
 
     def summary(self) -> str:
         text = f"{self.cache_entries} input signature(s), {self.compilations} compilation(s) in {self.compile_seconds:.1f} s"
+        if self.regional_blocks:
+            text += ", by block: " + ", ".join(f"{count} {name}" for name, count in self.regional_blocks.items())
         if self.cpu_probe_seconds >= CPU_PROBE_NOTE_SECONDS:
             text += (f", after torch's one-time probe of this CPU's vector instructions ({self.cpu_probe_seconds:.1f} s, "
                      "kept in torch's own cache folder for later processes)")
@@ -214,6 +220,8 @@ class CompileStats:
             parts.append(f"{len(self.eager_signatures)} input signature(s) eager past the recompile limit")
         if self.slower_than_eager:
             parts.append(f"off for {len(self.slower_than_eager)} input signature(s): compiled ran slower than eager")
+        if self.regional_blocks == {}:
+            parts.append("no block to compile one by one: the model ran eagerly (use mode compile)")
         return ", ".join(parts)
 
 
@@ -493,21 +501,25 @@ def _recompile_limit_at_least(limit: int):
 # --- the three modes ----------------------------------------------------------------------------
 
 
-def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The outermost composite blocks whose class occurs at least twice (torch.nn containers excluded)."""
+def repeated_blocks(module: torch.nn.Module, classes: tuple[str, ...] = ()) -> list[torch.nn.Module]:
+    """Regional compile's blocks: the outermost submodules of a class that ``classes`` names; where it
+    names none or none is there, the outermost composite blocks whose class occurs at least twice
+    (torch.nn containers excluded)."""
+    named = _outermost(module, lambda sub: type(sub).__name__ in classes)
+    if named:
+        return named
     counts: dict[type, int] = {}
     for sub in module.modules():
         counts[type(sub)] = counts.get(type(sub), 0) + 1
+    return _outermost(module, lambda sub: (
+        counts[type(sub)] > 1
+        and any(True for _ in sub.children())
+        and not isinstance(sub, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict))
+        and not type(sub).__module__.startswith("torch.")
+    ))
 
-    def is_block(sub):
-        cls = type(sub)
-        return (
-            counts[cls] > 1
-            and any(True for _ in sub.children())
-            and not isinstance(sub, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict))
-            and not cls.__module__.startswith("torch.")
-        )
 
+def _outermost(module: torch.nn.Module, is_block: Callable[[torch.nn.Module], bool]) -> list[torch.nn.Module]:
     chosen = []
 
     def walk(sub):
@@ -605,7 +617,8 @@ class CompiledForward:
             self._codes = (own.__code__,)
             self._compiled = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
         elif config.mode == "compile_regional":
-            self.blocks = repeated_blocks(module)
+            self.blocks = repeated_blocks(module, config.block_classes)
+            self.stats.regional_blocks = dict(Counter(type(block).__name__ for block in self.blocks))
             shared: dict[type, Callable] = {}
             for block in self.blocks:
                 if type(block) not in shared:

@@ -337,6 +337,18 @@ def optimization_notes(records: list[dict]) -> str:
 
 
 @torch.inference_mode()
+def _rung_names(size: int, steps: int, rounds: int, rungs: list[str]) -> list[str]:
+    """Stock, then the other requested rungs; a UserError naming the option that is out of range."""
+    if size % 64 or size < 64:
+        raise UserError(f"--size must be a positive multiple of 64, not {size}")
+    if steps < 2 or rounds < 1:
+        raise UserError("--steps must be >= 2 (the first step is warm-up) and --rounds >= 1")
+    unknown = [r for r in rungs if r not in OFFERED_RUNGS]
+    if unknown:
+        raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(OFFERED_RUNGS)}")
+    return [STOCK] + [r for r in rungs if r != STOCK]
+
+
 def bench_speed(
     comfyui: Path,
     model: str = "mini",
@@ -352,14 +364,7 @@ def bench_speed(
 ) -> list[SpeedRow]:
     from .headless import boot
 
-    if size % 64 or size < 64:
-        raise UserError(f"--size must be a positive multiple of 64, not {size}")
-    if steps < 2 or rounds < 1:
-        raise UserError("--steps must be >= 2 (the first step is warm-up) and --rounds >= 1")
-    unknown = [r for r in rungs if r not in OFFERED_RUNGS]
-    if unknown:
-        raise UserError(f"--rungs: unknown {', '.join(unknown)}; choose from {', '.join(OFFERED_RUNGS)}")
-    names = [STOCK] + [r for r in rungs if r != STOCK]
+    names = _rung_names(size, steps, rounds, rungs)
     if DIFFUSERS_COMPILE in names and DIFFUSERS not in names:  # its eager twin
         names.insert(names.index(DIFFUSERS_COMPILE), DIFFUSERS)
     profile = profile or trace_dir is not None
@@ -427,16 +432,23 @@ def bench_speed(
 COMPILER_CACHE_VARIABLES = ("SDOPT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
-def bench_speed_isolated(comfyui: Path, rungs: list[str] = RUNGS, progress: bool = True, **options) -> list[SpeedRow]:
+def bench_speed_isolated(comfyui: Path, model: str = "mini", size: int = 512, steps: int = 20, rounds: int = 3,
+                         rungs: list[str] = RUNGS, models: Path | None = None, progress: bool = True, **options) -> list[SpeedRow]:
     """``bench_speed`` with each rung in a fresh process beside a stock run of its own, every compiler cache
-    an empty folder: the first process's stock row, then each rung's row. ``options``: ``bench_speed``'s."""
-    names = [r for r in rungs if r != STOCK]
+    an empty folder: the first process's stock row, then each rung's row. ``options``: ``bench_speed``'s others."""
+    from .headless import _check_comfyui
+
+    names = _rung_names(size, steps, rounds, rungs)[1:]
+    root = _check_comfyui(Path(comfyui) if comfyui else None)
+    models = Path(models) if models is not None else root / "models"
+    checkpoint_path(model, models)  # a generated model is written once, here, rather than by the first child
     if not names:
-        return bench_speed(comfyui, rungs=[STOCK], progress=progress, **options)
+        return bench_speed(root, model, size, steps, rounds, [STOCK], models, progress, **options)
     rows = []
     for name in names:
         with tempfile.TemporaryDirectory(prefix="sdopt-bench-speed-") as caches:
-            spec = {**options, "comfyui": str(comfyui), "rungs": [STOCK, name], "progress": progress}
+            spec = {**options, "comfyui": str(root), "model": model, "models": str(models), "size": size, "steps": steps,
+                    "rounds": rounds, "rungs": [STOCK, name], "progress": progress}
             spec = {key: str(value) if isinstance(value, Path) else value for key, value in spec.items()}
             env = {variable: str(Path(caches) / variable.lower()) for variable in COMPILER_CACHE_VARIABLES}
             child = [SpeedRow(**row) for row in run_in_fresh_process(__spec__.name, spec, f"the {name} rung", env=env,

@@ -19,6 +19,8 @@ import functools
 import pytest
 import torch
 
+from sdopt.families import FAMILIES
+
 REL_TOL = 1e-4
 
 
@@ -94,6 +96,8 @@ def test_compiled_sampling_matches_stock_and_leaves_the_model_alone(request, com
     assert torch.equal(host.sample(loaded), stock), "the model the node was given must be unchanged"
     (compile_stats,), _ = fast_path(comfy_host, patched).stats()
     assert compile_stats.compilations >= 1 and compile_stats.cache_entries == 1
+    if mode == "compile_regional":  # every block kind the family describes, Flux's one block of each included
+        assert set(compile_stats.regional_blocks) == set(FAMILIES[family].repeated_blocks)
 
 
 def test_new_steps_and_seed_do_not_recompile(comfy_host, mini):

@@ -83,13 +83,13 @@ def test_sdxl_mini_samples_with_its_y_vector(comfy_host, sdxl_checkpoint):
     assert "SDOptPrecision" in rows[1].notes
 
 
-def test_isolate_compiles_cold_in_a_process_of_its_own(comfy_host):
+def test_isolate_runs_the_rung_in_a_process_of_its_own(comfy_host):
+    """The child path end to end: the pack run as a module, rows back through JSON. That each child's
+    compiler caches are its own is checked by the unit tier (a real child interpreter reads the
+    variables); a cold compile here would cost CI a minute."""
     from sdopt.tools.bench_speed import bench_speed_isolated
 
     rows = bench_speed_isolated(comfy_host.host.path, model=str(comfy_host.checkpoint), size=64, steps=2, rounds=1,
-                                rungs=["compile"], progress=False)
-    assert [(row.rung, row.isolated) for row in rows] == [("stock", True), ("compile", True)]
-    compiled = rows[1]
-    assert "cache: " in compiled.notes and "sdopt-bench-speed-" in compiled.notes.split("cache: ")[1], "the child's own cache"
-    assert "none of its" in compiled.notes and "in inductor's cache" in compiled.notes, "cold, whatever this process compiled"
-    assert compiled.compile_s > 0 and compiled.within_tolerance
+                                rungs=["precision"], progress=False)
+    assert [(row.rung, row.isolated) for row in rows] == [("stock", True), ("precision", True)]
+    assert rows[1].notes.startswith("SDOptPrecision") and rows[1].rounds_it_per_s

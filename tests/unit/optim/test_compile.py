@@ -150,6 +150,57 @@ def test_regional_compile_picks_the_repeated_blocks(tiny_unet):
     assert not any(isinstance(block, (torch.nn.Conv2d, torch.nn.ModuleList)) for block in repeated_blocks(tiny_unet))
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = torch.nn.LayerNorm(4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.linear(self.norm(x))
+
+
+class _OtherBlock(_Block):
+    pass
+
+
+class _OneOfEachBlock(torch.nn.Module):
+    """A DiT of one block of each kind, whose small helpers (the norms inside) repeat: Flux's mini."""
+
+    def __init__(self):
+        super().__init__()
+        self.double_blocks = torch.nn.ModuleList([_Block()])
+        self.single_blocks = torch.nn.ModuleList([_OtherBlock()])
+
+    def forward(self, x):
+        return self.single_blocks[0](self.double_blocks[0](x))
+
+
+def test_regional_compile_takes_the_named_block_classes_even_where_one_of_each_occurs():
+    model = _OneOfEachBlock()
+    assert repeated_blocks(model) == [], "by count alone, no composite class repeats here"
+    assert repeated_blocks(model, ("_Block", "_OtherBlock")) == [model.double_blocks[0], model.single_blocks[0]]
+    assert repeated_blocks(model, ("NotInThisModel",)) == [], "none found: the count rule, which finds none either"
+
+    fast = compile_forward(model, lambda module, x: module(x), CompileConfig("compile_regional", backend="aot_eager",
+                                                                            block_classes=("_Block", "_OtherBlock")))
+    x = torch.randn(2, 3, 4)
+    with torch.inference_mode():
+        fast(x)
+        torch.testing.assert_close(fast(x), model(x))
+    assert fast.stats.compilations == 2 and fast.stats.regional_blocks == {"_Block": 1, "_OtherBlock": 1}
+    assert "by block: 1 _Block, 1 _OtherBlock" in fast.stats.summary()
+
+
+def test_regional_compile_with_no_block_says_the_model_ran_eagerly():
+    model = _OneOfEachBlock()
+    fast = compile_forward(model, lambda module, x: module(x), CompileConfig("compile_regional", backend="aot_eager"))
+    with torch.inference_mode():
+        fast(torch.randn(2, 3, 4))
+        fast(torch.randn(2, 3, 4))
+    assert fast.stats.compilations == 0
+    assert "no block to compile one by one" in fast.stats.shortfall()
+
+
 @torch.inference_mode()
 def test_regional_compile_leaves_the_module_as_it_was(tiny_unet):
     fast = compile_forward(tiny_unet, unet_call, CompileConfig("compile_regional", backend="aot_eager"))

@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from sdopt.errors import UserError
+
 from sdopt.measure.profiler import MEMORY_RAM
 from sdopt.tools import bench_speed, doctor
 from sdopt.tools.bench_speed import (
@@ -70,6 +72,24 @@ def test_the_table_says_the_start_up_was_paid_before_the_rungs():
     assert "tiny compile" not in speed_table([_row("stock"), _row("graph")]), "no compiling rung, no warm-up"
 
 
+def _comfyui_tree(root: Path) -> Path:
+    """The files by which sdopt recognises a ComfyUI folder."""
+    (root / "ComfyUI" / "comfy").mkdir(parents=True)
+    (root / "ComfyUI" / "comfy" / "model_patcher.py").touch()
+    (root / "ComfyUI" / "execution.py").touch()
+    return root / "ComfyUI"
+
+
+def test_isolate_refuses_bad_options_before_starting_any_process(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench_speed, "run_in_fresh_process", lambda *args, **kwargs: pytest.fail("a child was started"))
+    with pytest.raises(UserError, match="--rungs: unknown warp"):
+        bench_speed_isolated(_comfyui_tree(tmp_path), rungs=["warp"], progress=False)
+    with pytest.raises(UserError, match="ComfyUI not found"):
+        bench_speed_isolated(tmp_path / "nowhere", rungs=["compile"], progress=False)
+    with pytest.raises(UserError, match="--model 'nothing.safetensors' is neither"):
+        bench_speed_isolated(tmp_path / "ComfyUI", model="nothing.safetensors", rungs=["compile"], progress=False)
+
+
 def test_isolate_runs_each_rung_in_its_own_process_with_empty_compiler_caches(monkeypatch, tmp_path):
     children = []
 
@@ -81,7 +101,10 @@ def test_isolate_runs_each_rung_in_its_own_process_with_empty_compiler_caches(mo
         return [_row(rung).to_dict() for rung in spec["rungs"]]
 
     monkeypatch.setattr(bench_speed, "run_in_fresh_process", fresh_process)
-    rows = bench_speed_isolated(tmp_path / "ComfyUI", rungs=["stock", "compile", "compile_regional"], model="sd35-mini",
+    comfyui, checkpoint = _comfyui_tree(tmp_path), tmp_path / "models" / "checkpoints" / "model.safetensors"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.touch()
+    rows = bench_speed_isolated(comfyui, rungs=["stock", "compile", "compile_regional"], model=str(checkpoint),
                                 models=tmp_path / "models", steps=8, progress=False)
 
     assert [row.rung for row in rows] == ["stock", "compile", "compile_regional"]
@@ -89,6 +112,7 @@ def test_isolate_runs_each_rung_in_its_own_process_with_empty_compiler_caches(mo
     assert [spec["rungs"] for spec, _ in children] == [["stock", "compile"], ["stock", "compile_regional"]]
     first, second = children
     assert first[0]["models"] == str(tmp_path / "models") and first[0]["steps"] == 8, "options reach the child as JSON"
+    assert first[0]["comfyui"] == str(comfyui.resolve()) and first[0]["model"] == str(checkpoint)
     assert not set(first[1]) & set(second[1]), "no rung sees another's caches"
     assert not any(path.parent.exists() for _, caches in children for path in caches), "removed after the child"
     assert "fresh process beside a stock run of its own" in speed_table(rows)
