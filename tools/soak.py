@@ -18,8 +18,8 @@ one at a time. Each prompt is a random chain drawn from ``--seed``:
 Any 5 consecutive prompts use every node listed, and the first two warm-up prompts run Compile, in
 ``compile`` and then ``trace`` mode, so that torch's one-time set-up of each lands in the warm-up.
 sdopt Doctor is left out: it runs the whole ``doctor`` check list, not a patch. Settings are those
-that run on any device; Compile uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no
-inductor), so a prompt takes seconds on a CPU, not the minutes of an inductor build, at the cost of
+that run on any device; Compile, in each of its modes (whole-model compile twice as often as the
+others), uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU, not the minutes of an inductor build, at the cost of
 not soaking inductor's generated code; VAE Precision is never asked for bf16 explicitly (see
 ``_vae_precision``). On 2 shared CPU cores a prompt of the SD1.5 mini took a median 15 s (up to a
 minute), 100 prompts 29 minutes (docs/benchmarks.md).
@@ -47,6 +47,7 @@ from typing import Callable
 
 from ..errors import UserError
 from ..families import resolve_model
+from ..optim.compile import MODES as COMPILE_MODES
 from .progress import progress_bar
 
 DEFAULT_PROMPTS = 100
@@ -94,7 +95,7 @@ COMPILE_MODES_FIRST = ("compile", "trace")
 
 
 def _compile(rng: random.Random) -> dict:
-    return {"mode": rng.choice(("compile", "compile", "trace")), "backend": rng.choice(("aot_eager", "eager")),
+    return {"mode": rng.choice(("compile",) + COMPILE_MODES), "backend": rng.choice(("aot_eager", "eager")),
             "compile_mode": "default", "dynamic": False, "fullgraph": False, "on_unavailable": "fallback"}
 
 

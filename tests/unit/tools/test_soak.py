@@ -106,6 +106,14 @@ def test_any_five_consecutive_prompts_use_every_node_and_the_lora_comes_and_goes
     assert not any(link.class_type == LORA for p in no_lora for link in p.model_chain)
 
 
+def test_compile_is_drawn_in_each_of_its_modes():
+    from sdopt.optim.compile import MODES
+
+    drawn = {link.inputs["mode"] for index in range(5, 60) for link in plan_prompt(index, 0, CHECKPOINTS).model_chain
+             if link.class_type == "SDOptCompile"}
+    assert drawn == set(MODES)
+
+
 def test_the_first_warm_up_prompts_run_compile_in_each_of_its_modes():
     def modes(index, seed, warmup):
         chain = plan_prompt(index, seed, CHECKPOINTS, warmup).model_chain
