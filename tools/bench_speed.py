@@ -336,7 +336,6 @@ def optimization_notes(records: list[dict]) -> str:
     return "; ".join(f"{o['node']}: {o['active']}" + (f" ({o['note']})" if o.get("note") else "") for o in records)
 
 
-@torch.inference_mode()
 def _rung_names(size: int, steps: int, rounds: int, rungs: list[str]) -> list[str]:
     """Stock, then the other requested rungs; a UserError naming the option that is out of range."""
     if size % 64 or size < 64:
@@ -349,6 +348,7 @@ def _rung_names(size: int, steps: int, rounds: int, rungs: list[str]) -> list[st
     return [STOCK] + [r for r in rungs if r != STOCK]
 
 
+@torch.inference_mode()
 def bench_speed(
     comfyui: Path,
     model: str = "mini",
