@@ -112,8 +112,9 @@ def _bench_unet(args: argparse.Namespace) -> None:
 def _bench_speed(args: argparse.Namespace) -> None:
     from .bench_speed import bench_speed, bench_speed_isolated, save_plot, speed_table, step_profile_table
 
-    rows = (bench_speed_isolated if args.isolate else bench_speed)(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs,
-                       models=args.models, vram_cap=_vram_cap(args), profile=args.profile, trace_dir=args.trace_dir)
+    bench = bench_speed_isolated if args.isolate else bench_speed
+    rows = bench(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs,
+                 models=args.models, vram_cap=_vram_cap(args), profile=args.profile, trace_dir=args.trace_dir)
     _print_rows("\n\n".join(filter(None, [speed_table(rows), step_profile_table(rows)])), rows, args.json)
     if args.plot:
         print(save_plot(rows, args.plot) or f"wrote {args.plot}")
