@@ -25,8 +25,12 @@ not soaking inductor's generated code; VAE Precision is never asked for bf16 exp
 minute), 100 prompts 29 minutes (docs/benchmarks.md).
 
 The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
-node) queued once the warm-up prompts are done and again after the last prompt, so both readings
-see the same cached state; drift = (end - warm) / warm. The command exits 1 when a prompt failed
+node), so every reading sees the same cached state: once the warm-up prompts are done, after every
+``READING_EVERY`` prompts, and after the last one. The heap's free pages make one reading wander by
+several percent from the next with no trend (docs/benchmarks.md, Soak), so the warm RSS is the median
+of the first ``ENDS`` readings and the end RSS the median of the last ``ENDS`` (fewer where there are
+fewer readings: a short soak compares its first reading with its last); drift = (end - warm) / warm.
+A leak climbs through every reading and moves both medians apart. The command exits 1 when a prompt failed
 (an error in its history, rejected by the server, or no end within ``--prompt-timeout``) or the
 drift passes ``--max-drift``. The server is stopped, and the link and the temporary folders
 removed, whatever happens.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +58,8 @@ from .progress import progress_bar
 DEFAULT_PROMPTS = 100
 DEFAULT_WARMUP = 5
 DEFAULT_MAX_DRIFT = 0.05
+READING_EVERY = 10  # prompts between two RSS readings after the warm-up
+ENDS = 3  # readings whose median is the warm (first ones) and the end (last ones) RSS
 PROMPT_TIMEOUT_S = 600.0
 SIDES = (64, 96, 128)
 STEPS = (2,)
@@ -298,14 +305,18 @@ def problems(outcomes: list[PromptOutcome], memory_drift: float | None, max_drif
     return found
 
 
+def reading_points(prompts: int, warmup: int, every: int = READING_EVERY) -> list[int]:
+    """How many prompts have run at each RSS reading: the warm-up's end, every ``every`` after it, the end."""
+    return sorted({*range(warmup, prompts, every), prompts})
+
+
 @dataclass
 class SoakResult:
     seed: int
     prompts: int
     warmup: int
     outcomes: list[PromptOutcome] = field(default_factory=list)
-    rss_warm_bytes: int | None = None
-    rss_end_bytes: int | None = None
+    readings: list[tuple[int, int]] = field(default_factory=list)  # (prompts run, RSS bytes after the probe)
     max_drift: float = DEFAULT_MAX_DRIFT
     seconds: float = 0.0
     device: str = ""
@@ -313,6 +324,23 @@ class SoakResult:
     @property
     def failed(self) -> int:
         return sum(o.failed for o in self.outcomes)
+
+    @property
+    def _ends(self) -> int:
+        return max(1, min(ENDS, len(self.readings) // 2))
+
+    @property
+    def rss_warm_bytes(self) -> int | None:
+        """The median of the first readings; None before the end reading (the drift needs both)."""
+        if len(self.readings) < 2 or self.readings[-1][0] != self.prompts:
+            return None
+        return int(statistics.median(rss for _, rss in self.readings[:self._ends]))
+
+    @property
+    def rss_end_bytes(self) -> int | None:
+        if self.rss_warm_bytes is None:
+            return None
+        return int(statistics.median(rss for _, rss in self.readings[-self._ends:]))
 
     @property
     def drift(self) -> float | None:
@@ -326,9 +354,13 @@ class SoakResult:
     def summary(self) -> str:
         mib = lambda value: "?" if value is None else f"{value / 2**20:,.0f} MiB"  # noqa: E731
         memory_drift = "?" if self.drift is None else f"{self.drift:+.2%}"
+        ends = f"median of {self._ends} reading{'s' if self._ends > 1 else ''}"
         lines = [f"soak: {len(self.outcomes)}/{self.prompts} prompts run, {self.failed} failed, RSS {mib(self.rss_warm_bytes)} after "
-                 f"{self.warmup} warm-up prompts, {mib(self.rss_end_bytes)} at the end (drift {memory_drift}, at most "
+                 f"{self.warmup} warm-up prompts, {mib(self.rss_end_bytes)} at the end ({ends} each; drift {memory_drift}, at most "
                  f"{self.max_drift:.1%} allowed), {self.seconds / 60:.1f} min, seed {self.seed}{f', {self.device}' if self.device else ''}"]
+        if self.readings:
+            lines.append("soak: RSS after the probe, by prompts run: "
+                         + ", ".join(f"{count}: {rss / 2**20:,.0f} MiB" for count, rss in self.readings))
         found = self.problems()
         lines += [f"FAILED: {line}" for line in found] or ["passed"]
         return "\n".join(lines)
@@ -336,6 +368,7 @@ class SoakResult:
     def to_dict(self) -> dict:
         return {"seed": self.seed, "prompts": self.prompts, "warmup": self.warmup, "run": len(self.outcomes), "failed": self.failed,
                 "rss_warm_bytes": self.rss_warm_bytes, "rss_end_bytes": self.rss_end_bytes, "drift": self.drift,
+                "readings": [{"prompts_run": count, "rss_bytes": rss} for count, rss in self.readings],
                 "max_drift": self.max_drift, "minutes": self.seconds / 60, "device": self.device, "passed": not self.problems(),
                 "problems": self.problems(), "outcomes": [asdict(o) for o in self.outcomes]}
 
@@ -479,7 +512,7 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
                 raise UserError(f"the server runs but did not load sdopt; its log ends:\n{_tail(server_log)}")
             result.device = _device(client)
             log(f"soak: ComfyUI at {client.url} ({result.device}), {prompts} prompts, seed {seed}, RSS read after "
-                f"{warmup} warm-up prompts and at the end")
+                f"{warmup} warm-up prompts, every {READING_EVERY} after them and at the end")
             first = sorted(checkpoints)[0]
             probe = probe_prompt(first, checkpoints[first])
             _run_prompts(client, process, result, checkpoints, probe, prompt_timeout, log)
@@ -494,17 +527,20 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
 
 
 def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict, probe: dict, timeout: float, log) -> None:
-    def read_rss(when: str) -> int:
+    points = reading_points(result.prompts, result.warmup)
+
+    def read_rss(count: int) -> None:
         status, seconds, error = run_one(client, probe, timeout)
         if status != SUCCESS:
-            raise UserError(f"the probe prompt (no sdopt node) before the {when} RSS reading {status}: {error}")
-        return rss_bytes(process.pid)
+            raise UserError(f"the probe prompt (no sdopt node) before the RSS reading after {count} prompts {status}: {error}")
+        result.readings.append((count, rss_bytes(process.pid)))
 
     with progress_bar(total=result.prompts, desc="soak", unit="prompt", disable=not sys.stderr.isatty()) as bar:
         for index in range(result.prompts):
-            if index == result.warmup:
-                result.rss_warm_bytes = read_rss("warm")
-                log(f"soak: RSS {result.rss_warm_bytes / 2**20:,.0f} MiB after {index} warm-up prompts")
+            if index in points:
+                read_rss(index)
+                if index == result.warmup:
+                    log(f"soak: RSS {result.readings[-1][1] / 2**20:,.0f} MiB after {index} warm-up prompts")
             planned = plan_prompt(index, result.seed, checkpoints, result.warmup)
             status, seconds, error = run_one(client, planned.api_prompt(), timeout)
             alive = process.poll() is None
@@ -518,7 +554,7 @@ def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict,
             if not alive:
                 log(f"soak: the server exited with status {process.returncode} after prompt {index + 1}")
                 return
-    result.rss_end_bytes = read_rss("end")
+    read_rss(result.prompts)
 
 
 def _server_env(scratch: Path) -> dict:

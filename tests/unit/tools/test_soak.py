@@ -10,7 +10,7 @@ from sdopt.nodes.registry import NODE_CLASS_MAPPINGS
 from sdopt.tools.cli import build_parser, main
 from sdopt.tools.soak import (
     GROUPS, LORA, PROFILER, REPORT, SOAK_NODES, SUCCESS, PromptOutcome, SoakModel, SoakResult, _rejection, drift, history_error,
-    plan_prompt, probe_prompt, problems,
+    plan_prompt, probe_prompt, problems, reading_points,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -147,12 +147,35 @@ def test_the_verdict_lists_each_failed_prompt_and_too_much_drift():
     assert problems([ok], 0.0501, 0.05) == ["RSS drift +5.0% is above the 5.0% allowed"]
     assert problems([ok, failed], 0.0, 0.05) == ["prompt 1 error: node 3 SDOptCompile: RuntimeError: boom [chain b]"]
     assert problems([ok], None, 0.05) == ["no RSS reading: the soak stopped before the end reading"]
-    result = SoakResult(seed=3, prompts=2, warmup=1, outcomes=[ok, failed], rss_warm_bytes=2**30, rss_end_bytes=2**30 + 2**20)
+    result = SoakResult(seed=3, prompts=2, warmup=1, outcomes=[ok, failed], readings=[(1, 2**30), (2, 2**30 + 2**20)])
     assert result.failed == 1 and result.drift == pytest.approx(2**-10)
     data = result.to_dict()
     assert data["passed"] is False and data["failed"] == 1 and data["outcomes"][1]["error"].startswith("node 3")
     assert "1 failed" in result.summary() and "FAILED: prompt 1 error" in result.summary()
-    assert SoakResult(seed=3, prompts=1, warmup=0, outcomes=[ok], rss_warm_bytes=100, rss_end_bytes=100).summary().endswith("passed")
+    assert SoakResult(seed=3, prompts=1, warmup=0, outcomes=[ok], readings=[(0, 100), (1, 100)]).summary().endswith("passed")
+
+
+def test_rss_is_read_after_the_warm_up_every_ten_prompts_and_at_the_end():
+    assert reading_points(100, 5) == [5, 15, 25, 35, 45, 55, 65, 75, 85, 95, 100]
+    assert reading_points(5, 4) == [4, 5], "a short soak: the warm reading and the end one"
+    assert reading_points(25, 5) == [5, 15, 25], "no second reading where the end falls on one"
+
+
+def test_drift_compares_the_medians_of_the_first_and_the_last_three_readings():
+    mib = 2**20
+    wandering = [(5, 1000), (15, 1080), (25, 990), (35, 1075), (45, 1010), (55, 1085), (65, 1000), (75, 1070), (85, 995),
+                 (95, 1078), (100, 1005)]
+    result = SoakResult(seed=0, prompts=100, warmup=5, readings=[(count, rss * mib) for count, rss in wandering])
+    assert (result.rss_warm_bytes, result.rss_end_bytes) == (1000 * mib, 1005 * mib)
+    assert wandering[-1][1] / wandering[0][1] - 1 < 0.01 < wandering[-2][1] / wandering[0][1] - 1, "one pair swings with the wander"
+    assert result.drift == pytest.approx(0.005) and not result.problems()
+
+    leaking = SoakResult(seed=0, prompts=100, warmup=5, readings=[(count, (1000 + 10 * count) * mib) for count, _ in wandering])
+    assert leaking.drift == pytest.approx((1950 - 1150) / 1150) and leaking.problems() == [f"RSS drift {leaking.drift:+.1%} is above the 5.0% allowed"]
+
+    unfinished = SoakResult(seed=0, prompts=100, warmup=5, readings=[(count, rss * mib) for count, rss in wandering[:4]])
+    assert unfinished.drift is None, "no end reading: no drift, whatever was read before"
+    assert "15: 1,080 MiB" in result.summary() and "median of 3 readings each" in result.summary()
 
 
 def test_server_errors_are_read_into_one_message():
