@@ -15,8 +15,8 @@ one at a time. Each prompt is a random chain drawn from ``--seed``:
 - sdopt Profile Report on the decoded image, or not;
 - a random size (64 to 128 px a side, multiples of 32), 2 steps, a random sampler, scheduler, CFG and seed.
 
-Any 5 consecutive prompts use every node listed, and the first two warm-up prompts run Compile, in
-``compile`` and then ``trace`` mode, so that torch's one-time set-up of each lands in the warm-up.
+Any 5 consecutive prompts use every node listed, and the first three warm-up prompts run Compile, in
+each of its modes in turn, so that torch's one-time set-up of each lands in the warm-up.
 sdopt Doctor is left out: it runs the whole ``doctor`` check list, not a patch. Settings are those
 that run on any device; Compile, in each of its modes (whole-model compile twice as often as the
 others), uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU, not the minutes of an inductor build, at the cost of
@@ -96,9 +96,10 @@ def _offload(rng: random.Random) -> dict:
 
 
 COMPILE = "SDOptCompile"
-# The first warm-up prompts run Compile in each of these modes, so that torch's one-time set-up of dynamo
-# and of TorchScript (75-80 MiB each, docs/benchmarks.md) lands in the warm-up, not in the drift.
-COMPILE_MODES_FIRST = ("compile", "trace")
+# The first warm-up prompts run Compile in each of its modes, so that torch's one-time set-up of dynamo
+# and of TorchScript (75-80 MiB each, docs/benchmarks.md), and that of regional compile's dynamic
+# shapes, lands in the warm-up, not in the drift.
+COMPILE_MODES_FIRST = COMPILE_MODES
 
 
 def _compile(rng: random.Random) -> dict:

@@ -119,8 +119,10 @@ def test_the_first_warm_up_prompts_run_compile_in_each_of_its_modes():
         chain = plan_prompt(index, seed, CHECKPOINTS, warmup).model_chain
         return [link.inputs["mode"] for link in chain if link.class_type == "SDOptCompile"]
 
+    from sdopt.optim.compile import MODES
+
     for seed in (0, 1):
-        assert [modes(index, seed, 5) for index in range(2)] == [["compile"], ["trace"]]
+        assert [modes(index, seed, 5) for index in range(3)] == [[mode] for mode in MODES]
         assert modes(0, seed, 1) == ["compile"] and plan_prompt(1, seed, CHECKPOINTS, 1) == plan_prompt(1, seed, CHECKPOINTS, 0)
     assert plan_prompt(0, 0, CHECKPOINTS, 0) != plan_prompt(0, 0, CHECKPOINTS, 5), "no warm-up: the prompt as drawn"
 
