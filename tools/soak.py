@@ -558,11 +558,19 @@ def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict,
     read_rss(result.prompts)
 
 
+# glibc's mmap threshold held at its initial 128 KiB: glibc otherwise raises it with each large block
+# freed (up to 32 MiB), after which freed tensors stay in the heap, and a reading after the stock probe
+# prompt (which runs no sdopt heap trim) counts hundreds of MiB of free heap that wander with what ran
+# before it (docs/benchmarks.md, Soak). Held, a freed tensor's pages go back at once and RSS follows the
+# live memory, which is what a leak grows. A value the caller set is kept; other C libraries ignore it.
+MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
 def _server_env(scratch: Path) -> dict:
     import os
 
     # Compile's disk cache in the scratch folder: a soak neither reads nor grows the user's cache.
-    return {**os.environ, "SDOPT_CACHE_DIR": str(scratch / "compile-cache")}
+    return {**MMAP_THRESHOLD, **os.environ, "SDOPT_CACHE_DIR": str(scratch / "compile-cache")}
 
 
 def _device(client: Client) -> str:

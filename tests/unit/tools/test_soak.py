@@ -215,3 +215,13 @@ def test_step_cache_draws_both_modes():
     modes = {link.inputs["mode"] for index in range(40) for link in plan_prompt(index, 0, CHECKPOINTS).model_chain
              if link.class_type == "SDOptStepCache"}
     assert modes == {"deepcache", "first_block"}
+
+
+def test_the_server_holds_glibc_s_mmap_threshold_unless_the_caller_set_one(tmp_path, monkeypatch):
+    from sdopt.tools.soak import _server_env
+
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = _server_env(tmp_path)
+    assert env["MALLOC_MMAP_THRESHOLD_"] == str(128 * 1024) and env["SDOPT_CACHE_DIR"].startswith(str(tmp_path))
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    assert _server_env(tmp_path)["MALLOC_MMAP_THRESHOLD_"] == "4194304"
