@@ -19,15 +19,16 @@ Any 5 consecutive prompts use every node listed, and the first three warm-up pro
 each of its modes in turn, so that torch's one-time set-up of each lands in the warm-up.
 sdopt Doctor is left out: it runs the whole ``doctor`` check list, not a patch. Settings are those
 that run on any device; Compile, in each of its modes (whole-model compile twice as often as the
-others), uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes seconds on a CPU, not the minutes of an inductor build, at the cost of
-not soaking inductor's generated code; VAE Precision is never asked for bf16 explicitly (see
-``_vae_precision``). On 2 shared CPU cores a prompt of the SD1.5 mini took a median 15 s (up to a
-minute), 100 prompts 29 minutes (docs/benchmarks.md).
+others), uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes
+seconds on a CPU, not the minutes of an inductor build, at the cost of not soaking inductor's generated
+code; VAE Precision is never asked for bf16 explicitly (see ``_vae_precision``). 100 prompts of the
+SD1.5 mini took 8–11 minutes on 2 idle CPU cores, 29 minutes on 2 shared ones (docs/benchmarks.md).
 
 The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
 node), so every reading sees the same cached state: once the warm-up prompts are done, after every
-``READING_EVERY`` prompts, and after the last one. The heap's free pages make one reading wander by
-several percent from the next with no trend (docs/benchmarks.md, Soak), so the warm RSS is the median
+``READING_EVERY`` prompts, and after the last one. One reading can differ from the next by several
+percent with no trend (free heap, and live memory that is gone by the next reading: docs/benchmarks.md,
+Soak), so the warm RSS is the median
 of the first ``ENDS`` readings and the end RSS the median of the last ``ENDS`` (fewer where there are
 fewer readings: a short soak compares its first reading with its last); drift = (end - warm) / warm.
 A leak climbs through every reading and moves both medians apart. The command exits 1 when a prompt failed
@@ -331,17 +332,19 @@ class SoakResult:
         return max(1, min(ENDS, len(self.readings) // 2))
 
     @property
+    def _finished(self) -> bool:
+        """Whether the end reading was taken: the drift needs it and one before it."""
+        return len(self.readings) >= 2 and self.readings[-1][0] == self.prompts
+
+    @property
     def rss_warm_bytes(self) -> int | None:
-        """The median of the first readings; None before the end reading (the drift needs both)."""
-        if len(self.readings) < 2 or self.readings[-1][0] != self.prompts:
-            return None
-        return int(statistics.median(rss for _, rss in self.readings[:self._ends]))
+        """The median of the first readings; None before the end reading."""
+        return int(statistics.median(rss for _, rss in self.readings[:self._ends])) if self._finished else None
 
     @property
     def rss_end_bytes(self) -> int | None:
-        if self.rss_warm_bytes is None:
-            return None
-        return int(statistics.median(rss for _, rss in self.readings[-self._ends:]))
+        """The median of the last readings; None before the end reading."""
+        return int(statistics.median(rss for _, rss in self.readings[-self._ends:])) if self._finished else None
 
     @property
     def drift(self) -> float | None:
