@@ -1051,11 +1051,11 @@ class ArtifactCache:
             else:
                 parts.append(f"partly warm compile of inputs {signature}: {took}, {cached} of {cached + compiled} graph(s) from {where}{was}")
         if INDUCTOR_CACHE_VAR in self._users_dirs:
-            parts.append(f"torch's caches are in your {INDUCTOR_CACHE_VAR}={self._users_dirs[INDUCTOR_CACHE_VAR]}, "
-                         "which `python -m sdopt cache purge` leaves alone")
+            parts.append(f"torch's caches are in {INDUCTOR_CACHE_VAR}={self._users_dirs[INDUCTOR_CACHE_VAR]} "
+                         "(set in the environment), which `python -m sdopt cache purge` leaves alone")
         elif TRITON_CACHE_VAR in self._users_dirs:
-            parts.append(f"Triton's cache is in your {TRITON_CACHE_VAR}={self._users_dirs[TRITON_CACHE_VAR]}, "
-                         "which `python -m sdopt cache purge` leaves alone")
+            parts.append(f"Triton's cache is in {TRITON_CACHE_VAR}={self._users_dirs[TRITON_CACHE_VAR]} "
+                         "(set in the environment), which `python -m sdopt cache purge` leaves alone")
         return "; ".join(parts)
 
 

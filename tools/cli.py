@@ -16,6 +16,7 @@ from .bench_speed import CACHE_RUNGS, CHANNELS_LAST, COMPILE_REGIONAL, RUNGS as 
 from .bench_suite import SUITE_LIMIT_S
 from ..families import MODEL_NAMES, resolve_model
 from .modelgen import CHECKPOINT_DTYPES, SIZES
+from .soak import DEFAULT_PROMPTS as SOAK_PROMPTS, DEFAULT_WARMUP as SOAK_WARMUP
 
 
 
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak = commands.add_parser("soak", help=(
         "start ComfyUI with sdopt and queue random chains of every sdopt node over HTTP: failed prompts and the server's "
         "RSS drift; exit status 1 on any failure or too much drift"))
-    soak.add_argument("--prompts", type=int, default=100)
+    soak.add_argument("--prompts", type=int, default=SOAK_PROMPTS)
     soak.add_argument("--seed", type=int, default=0, help="draws every prompt's chain, size, LoRA and sampler seed (a rerun repeats them)")
     soak.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     soak.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder); a missing mini is generated there")
@@ -335,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the generated model(s) the prompts draw from (repeatable; default mini)"))
     soak.add_argument("--port", type=int, help="default: a free port")
     soak.add_argument("--max-drift", type=float, default=5.0, metavar="PERCENT", help="RSS growth allowed from the warm reading to the end one")
-    soak.add_argument("--warmup", type=int, default=5, help="prompts before the warm RSS reading")
+    soak.add_argument("--warmup", type=int, default=SOAK_WARMUP, help=(
+        "prompts before the warm RSS reading: torch's one-time set-up for each new mix of Compile and "
+        "weight dtypes lands in them"))
     soak.add_argument("--prompt-timeout", type=float, default=600.0, metavar="SECONDS", help="a prompt not ended by then counts as failed")
     soak.add_argument("--json", type=Path, help="also write the result, every prompt's chain and error, as JSON")
     soak.set_defaults(handler=_soak, model=None)

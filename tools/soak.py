@@ -25,10 +25,11 @@ code; VAE Precision is never asked for bf16 explicitly (see ``_vae_precision``).
 SD1.5 mini took 8–11 minutes on 2 idle CPU cores, 29 minutes on 2 shared ones (docs/benchmarks.md).
 
 The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
-node), so every reading sees the same cached state: once the warm-up prompts are done, after every
-``READING_EVERY`` prompts, and after the last one. One reading can differ from the next by several
-percent with no trend (free heap, and live memory that is gone by the next reading: docs/benchmarks.md,
-Soak), so the warm RSS is the median
+node), so every reading sees the same cached state, and after ComfyUI has unloaded its models and
+collected garbage (``POST /free``), so that cycles a prompt left for the collector are not counted:
+ComfyUI collects on its own only every 10 s, and without this one reading could stand hundreds of MiB
+above the next (docs/benchmarks.md, Soak). RSS is read once the warm-up prompts are done, after every
+``READING_EVERY`` prompts, and after the last one. The warm RSS is the median
 of the first ``ENDS`` readings and the end RSS the median of the last ``ENDS`` (fewer where there are
 fewer readings: a short soak compares its first reading with its last); drift = (end - warm) / warm.
 A leak climbs through every reading and moves both medians apart. The command exits 1 when a prompt failed
@@ -57,11 +58,15 @@ from ..optim.compile import MODES as COMPILE_MODES
 from .progress import progress_bar
 
 DEFAULT_PROMPTS = 100
-DEFAULT_WARMUP = 5
+# Read after every prompt, seed 0's SD1.5 soak (docs/benchmarks.md, Soak) climbs about 160 MiB over its first
+# 30 prompts, in steps at prompts that trace or compile a mix of weight dtype and memory format not met
+# before (torch's one-time set-up for it), then wanders within 100 MiB: the warm-up covers the steps.
+DEFAULT_WARMUP = 35
 DEFAULT_MAX_DRIFT = 0.05
 READING_EVERY = 10  # prompts between two RSS readings after the warm-up
 ENDS = 3  # readings whose median is the warm (first ones) and the end (last ones) RSS
 PROMPT_TIMEOUT_S = 600.0
+GARBAGE_WAKE_S = 0.5  # for ComfyUI's prompt worker to wake on POST /free before the next prompt is queued
 SIDES = (64, 96, 128)
 STEPS = (2,)
 SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m")
@@ -406,6 +411,14 @@ class Client:
         except urllib.error.HTTPError as error:
             raise Rejected(_rejection(error.read().decode(errors="replace"))) from None
 
+    def collect_garbage(self) -> None:
+        """Ask the server to unload its models and collect garbage (``POST /free``). Its prompt worker
+        wakes at once and does both before it takes the next prompt; the outputs it cached are kept."""
+        request = urllib.request.Request(self.url + "/free", data=json.dumps({"unload_models": True}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+
     def wait(self, prompt_id: str, timeout: float) -> dict | None:
         """The prompt's history entry once it has ended; None after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
@@ -537,6 +550,11 @@ def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict,
         status, seconds, error = run_one(client, probe, timeout)
         if status != SUCCESS:
             raise UserError(f"the probe prompt (no sdopt node) before the RSS reading after {count} prompts {status}: {error}")
+        client.collect_garbage()
+        time.sleep(GARBAGE_WAKE_S)
+        # The probe again, every output cached, so nothing runs: it ends after the collection, and so
+        # the reading does too (ComfyUI collects on its own only every 10 s, after a prompt has ended).
+        run_one(client, probe, timeout)
         result.readings.append((count, rss_bytes(process.pid)))
 
     with progress_bar(total=result.prompts, desc="soak", unit="prompt", disable=not sys.stderr.isatty()) as bar:

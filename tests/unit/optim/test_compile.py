@@ -301,7 +301,7 @@ def test_torch_caches_point_torch_at_the_entry_only_inside_and_respect_the_users
     users = ArtifactCache.for_module(torch.nn.Conv2d(2, 2, 1), CompileConfig(), tmp_path)
     with users.torch_caches():
         assert cache_dir() == str(tmp_path / "mine")
-    assert f"your {INDUCTOR_CACHE_VAR}={tmp_path / 'mine'}, which `python -m sdopt cache purge` leaves alone" in users.note()
+    assert f"{INDUCTOR_CACHE_VAR}={tmp_path / 'mine'} (set in the environment), which `python -m sdopt cache purge` leaves alone" in users.note()
 
 
 class _Forward:

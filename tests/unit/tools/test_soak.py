@@ -1,5 +1,6 @@
 """The soak's pure parts: prompts drawn from a seed (valid against the real node definitions, every node
-covered), the drift and the verdict, the server's error replies read into one line, the CLI's options."""
+covered), when and after what RSS is read, the drift and the verdict, the server's error replies read
+into one line, the CLI's options."""
 import json
 import math
 from pathlib import Path
@@ -163,6 +164,43 @@ def test_rss_is_read_after_the_warm_up_every_ten_prompts_and_at_the_end():
     assert reading_points(25, 5) == [5, 15, 25], "no second reading where the end falls on one"
 
 
+def test_each_reading_comes_after_the_probe_a_collection_and_a_probe_that_ends_after_it(monkeypatch):
+    import sdopt.tools.soak as soak_module
+
+    events = []
+    probe = probe_prompt("sdopt-mini-sd15.safetensors")
+
+    class Server:
+        pid = 1
+
+        def poll(self):
+            return None
+
+        def queue(self, prompt):
+            events.append("probe" if prompt is probe else "prompt")
+            return str(len(events))
+
+        def wait(self, prompt_id, timeout):
+            return {"status": {"status_str": SUCCESS}}
+
+        def collect_garbage(self):
+            events.append("collect")
+
+    def read(pid):
+        events.append("read")
+        return 2**30
+
+    monkeypatch.setattr(soak_module, "rss_bytes", read)
+    monkeypatch.setattr(soak_module, "GARBAGE_WAKE_S", 0)
+    result = SoakResult(seed=0, prompts=3, warmup=1)
+    server = Server()
+    soak_module._run_prompts(server, server, result, CHECKPOINTS, probe, 1.0, lambda line: None)
+    reading = ["probe", "collect", "probe", "read"]
+    each_prompt = ["prompt", "read"]  # and the RSS its line shows
+    assert events == [*each_prompt, *reading, *each_prompt, *each_prompt, *reading]
+    assert [count for count, _ in result.readings] == [1, 3]
+
+
 def test_drift_compares_the_medians_of_the_first_and_the_last_three_readings():
     mib = 2**20
     wandering = [(5, 1000), (15, 1080), (25, 990), (35, 1075), (45, 1010), (55, 1085), (65, 1000), (75, 1070), (85, 995),
@@ -194,7 +232,7 @@ def test_server_errors_are_read_into_one_message():
 
 def test_cli_options_and_a_missing_comfyui(capsys, tmp_path, monkeypatch):
     args = build_parser().parse_args(["soak", "--prompts", "5", "--seed", "3", "--max-drift", "2.5", "--comfyui", str(tmp_path)])
-    assert (args.prompts, args.seed, args.max_drift, args.warmup, args.model, args.port) == (5, 3, 2.5, 5, None, None)
+    assert (args.prompts, args.seed, args.max_drift, args.warmup, args.model, args.port) == (5, 3, 2.5, 35, None, None)
     assert main(["soak", "--comfyui", str(tmp_path), "--prompts", "1"]) == 2
     assert f"ComfyUI not found at {tmp_path}" in capsys.readouterr().err
 
