@@ -66,7 +66,6 @@ DEFAULT_MAX_DRIFT = 0.05
 READING_EVERY = 10  # prompts between two RSS readings after the warm-up
 ENDS = 3  # readings whose median is the warm (first ones) and the end (last ones) RSS
 PROMPT_TIMEOUT_S = 600.0
-GARBAGE_WAKE_S = 0.5  # for ComfyUI's prompt worker to wake on POST /free before the next prompt is queued
 SIDES = (64, 96, 128)
 STEPS = (2,)
 SAMPLERS = ("euler", "euler_ancestral", "dpmpp_2m")
@@ -412,8 +411,8 @@ class Client:
             raise Rejected(_rejection(error.read().decode(errors="replace"))) from None
 
     def collect_garbage(self) -> None:
-        """Ask the server to unload its models and collect garbage (``POST /free``). Its prompt worker
-        wakes at once and does both before it takes the next prompt; the outputs it cached are kept."""
+        """Ask the server to unload its models and collect garbage (``POST /free``); the outputs it
+        cached are kept."""
         request = urllib.request.Request(self.url + "/free", data=json.dumps({"unload_models": True}).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=30):
@@ -551,10 +550,12 @@ def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict,
         if status != SUCCESS:
             raise UserError(f"the probe prompt (no sdopt node) before the RSS reading after {count} prompts {status}: {error}")
         client.collect_garbage()
-        time.sleep(GARBAGE_WAKE_S)
-        # The probe again, every output cached, so nothing runs: it ends after the collection, and so
-        # the reading does too (ComfyUI collects on its own only every 10 s, after a prompt has ended).
-        run_one(client, probe, timeout)
+        # The probe twice more, every output cached, so nothing runs: ComfyUI's worker acts on /free
+        # before it takes the next prompt, or at the latest after that prompt has ended (should that
+        # prompt have been queued before the worker woke), so the second ends after the collection.
+        # (ComfyUI collects on its own only every 10 s, and after it has filed the prompt's history.)
+        for _ in range(2):
+            run_one(client, probe, timeout)
         result.readings.append((count, rss_bytes(process.pid)))
 
     with progress_bar(total=result.prompts, desc="soak", unit="prompt", disable=not sys.stderr.isatty()) as bar:

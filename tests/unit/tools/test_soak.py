@@ -164,7 +164,7 @@ def test_rss_is_read_after_the_warm_up_every_ten_prompts_and_at_the_end():
     assert reading_points(25, 5) == [5, 15, 25], "no second reading where the end falls on one"
 
 
-def test_each_reading_comes_after_the_probe_a_collection_and_a_probe_that_ends_after_it(monkeypatch):
+def test_each_reading_follows_the_probe_a_collection_and_two_cached_probes(monkeypatch):
     import sdopt.tools.soak as soak_module
 
     events = []
@@ -191,11 +191,10 @@ def test_each_reading_comes_after_the_probe_a_collection_and_a_probe_that_ends_a
         return 2**30
 
     monkeypatch.setattr(soak_module, "rss_bytes", read)
-    monkeypatch.setattr(soak_module, "GARBAGE_WAKE_S", 0)
     result = SoakResult(seed=0, prompts=3, warmup=1)
     server = Server()
     soak_module._run_prompts(server, server, result, CHECKPOINTS, probe, 1.0, lambda line: None)
-    reading = ["probe", "collect", "probe", "read"]
+    reading = ["probe", "collect", "probe", "probe", "read"]
     each_prompt = ["prompt", "read"]  # and the RSS its line shows
     assert events == [*each_prompt, *reading, *each_prompt, *each_prompt, *reading]
     assert [count for count, _ in result.readings] == [1, 3]
