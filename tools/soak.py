@@ -402,10 +402,8 @@ class Client:
 
     def queue(self, prompt: dict) -> str:
         """The prompt id; a refused prompt raises ``Rejected`` with the server's reasons."""
-        body = json.dumps({"prompt": prompt, "client_id": CLIENT_ID}).encode()
-        request = urllib.request.Request(self.url + "/prompt", data=body, headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(request, timeout=30) as response:
+            with self._post("/prompt", {"prompt": prompt, "client_id": CLIENT_ID}) as response:
                 return json.load(response)["prompt_id"]
         except urllib.error.HTTPError as error:
             raise Rejected(_rejection(error.read().decode(errors="replace"))) from None
@@ -413,10 +411,12 @@ class Client:
     def collect_garbage(self) -> None:
         """Ask the server to unload its models and collect garbage (``POST /free``); the outputs it
         cached are kept."""
-        request = urllib.request.Request(self.url + "/free", data=json.dumps({"unload_models": True}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30):
+        with self._post("/free", {"unload_models": True}):
             pass
+
+    def _post(self, path: str, body: dict):
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        return urllib.request.urlopen(request, timeout=30)
 
     def wait(self, prompt_id: str, timeout: float) -> dict | None:
         """The prompt's history entry once it has ended; None after ``timeout`` seconds."""
@@ -545,17 +545,19 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
 def _run_prompts(client: Client, process, result: SoakResult, checkpoints: dict, probe: dict, timeout: float, log) -> None:
     points = reading_points(result.prompts, result.warmup)
 
-    def read_rss(count: int) -> None:
+    def run_probe(count: int) -> None:
         status, seconds, error = run_one(client, probe, timeout)
         if status != SUCCESS:
             raise UserError(f"the probe prompt (no sdopt node) before the RSS reading after {count} prompts {status}: {error}")
+
+    def read_rss(count: int) -> None:
+        run_probe(count)
         client.collect_garbage()
         # The probe twice more, every output cached, so nothing runs: ComfyUI's worker acts on /free
         # before it takes the next prompt, or at the latest after that prompt has ended (should that
         # prompt have been queued before the worker woke), so the second ends after the collection.
-        # (ComfyUI collects on its own only every 10 s, and after it has filed the prompt's history.)
-        for _ in range(2):
-            run_one(client, probe, timeout)
+        run_probe(count)
+        run_probe(count)
         result.readings.append((count, rss_bytes(process.pid)))
 
     with progress_bar(total=result.prompts, desc="soak", unit="prompt", disable=not sys.stderr.isatty()) as bar:
