@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import hashlib
 import importlib.util
 import inspect
@@ -458,12 +459,13 @@ def release_compiled_code(codes: tuple[types.CodeType, ...]) -> None:
 
 
 def sweep_dead_guards() -> None:
-    """Detach the finalizers that keep the guards of dropped compiled entries alive. Dynamo puts a
-    ``weakref.finalize`` on every object a guard matches by identity (classes, modules, functions
-    that live as long as the process) to invalidate the guard's entry should the object go; once
-    the entry is gone the callback does nothing but hold the guards (some 15 MiB per compiled UNet).
-    Only between compiles (under dynamo's compile lock, never inside a compiled call), where no
-    guard is half built; nothing on a torch whose guards are kept otherwise."""
+    """Detach the finalizers that keep the guards of dropped compiled entries alive, and free the
+    shape environments of finished compiles. Dynamo puts a ``weakref.finalize`` on every object a
+    guard matches by identity (classes, modules, functions that live as long as the process) to
+    invalidate the guard's entry should the object go; once the entry is gone the callback does
+    nothing but hold the guards (some 15 MiB per compiled UNet). Only between compiles (under
+    dynamo's compile lock, never inside a compiled call), where no guard is half built; nothing on
+    a torch whose guards are kept otherwise."""
     global _released
     if not _released or _running:
         return
@@ -478,6 +480,24 @@ def sweep_dead_guards() -> None:
             manager = getattr(getattr(getattr(info, "func", None), "func", None), "__self__", None)  # partial(manager.invalidate, …)
             if type(manager) is CheckFunctionManager and getattr(manager.guard_manager, "cache_entry", True) is None:
                 finalizer.detach()
+        _free_finished_shape_envs()
+
+
+def _free_finished_shape_envs() -> None:
+    """A dynamic-shape compile leaves its ``ShapeEnv`` in a cycle the garbage collector cannot see
+    through: its ``tracked_fakes`` hold fake tensors whose symbolic sizes (C++ objects) hold the
+    ``ShapeEnv`` again; and ``ShapeEnv``'s memoized methods keep every instance they saw as a key.
+    Regional compile, dynamic by default, left 29 of them with their graphs for every SDXL model a
+    server compiled. ``tracked_fakes`` serve only to build a compile's guards, and no
+    compile runs while dynamo's compile lock is held, so both go."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    for candidate in gc.get_objects():
+        if type(candidate) is ShapeEnv and getattr(candidate, "tracked_fakes", None) is not None:
+            candidate.tracked_fakes = None
+    for member in vars(ShapeEnv).values():
+        if hasattr(member, "cache_clear"):
+            member.cache_clear()
 
 
 def recompile_limit() -> int:
