@@ -44,6 +44,7 @@ import importlib.util
 import inspect
 import itertools
 import json
+import linecache
 import logging
 import os
 import re
@@ -480,24 +481,40 @@ def sweep_dead_guards() -> None:
             manager = getattr(getattr(getattr(info, "func", None), "func", None), "__self__", None)  # partial(manager.invalidate, …)
             if type(manager) is CheckFunctionManager and getattr(manager.guard_manager, "cache_entry", True) is None:
                 finalizer.detach()
-        _free_finished_shape_envs()
+        _free_finished_compile_state()
 
 
-def _free_finished_shape_envs() -> None:
-    """A dynamic-shape compile leaves its ``ShapeEnv`` in a cycle the garbage collector cannot see
-    through: its ``tracked_fakes`` hold fake tensors whose symbolic sizes (C++ objects) hold the
-    ``ShapeEnv`` again; and ``ShapeEnv``'s memoized methods keep every instance they saw as a key.
-    Regional compile, dynamic by default, left 29 of them with their graphs for every SDXL model a
-    server compiled. ``tracked_fakes`` serve only to build a compile's guards, and no
-    compile runs while dynamo's compile lock is held, so both go."""
+def _free_finished_compile_state() -> None:
+    """Free what torch keeps of finished compiles for the life of the process.
+
+    - A dynamic-shape compile leaves its ``ShapeEnv`` in a cycle the garbage collector cannot see
+      through: its ``tracked_fakes`` hold fake tensors whose symbolic sizes (C++ objects) hold the
+      ``ShapeEnv`` again; and ``ShapeEnv``'s memoized methods keep every instance they saw as a key.
+      Regional compile, dynamic by default, left 29 of them with their graphs for every SDXL model a
+      server compiled. ``tracked_fakes`` serve only to build a compile's guards, and no compile runs
+      while dynamo's compile lock is held, so both go.
+    - torch.fx keeps the generated source of every graph module it ever made, for tracebacks, under
+      the file name its code was compiled with (some 4 MiB per whole-model compile of the SDXL mini);
+      the source of graphs no live function or frame runs goes."""
+    from torch.fx import graph_module
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    live_files = set()
     for candidate in gc.get_objects():
         if type(candidate) is ShapeEnv and getattr(candidate, "tracked_fakes", None) is not None:
             candidate.tracked_fakes = None
+        elif type(candidate) is types.FunctionType:
+            live_files.add(candidate.__code__.co_filename)
+        elif type(candidate) is types.FrameType:
+            live_files.add(candidate.f_code.co_filename)
     for member in vars(ShapeEnv).values():
         if hasattr(member, "cache_clear"):
             member.cache_clear()
+    sources = getattr(getattr(graph_module, "_loader", None), "eval_cache", None)
+    if isinstance(sources, dict):
+        for name in [name for name in list(sources) if name not in live_files]:
+            sources.pop(name, None)
+            linecache.cache.pop(name, None)
 
 
 def recompile_limit() -> int:

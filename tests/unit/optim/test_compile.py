@@ -436,10 +436,11 @@ def _live(kind: type) -> int:
 @torch.inference_mode()
 def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
     """Dynamo keeps a compiled code object's graphs in the code's extra state, out of the garbage
-    collector's sight, its guards alive through finalizers on long-lived objects, and a dynamic
-    compile's shape environment in a cycle through C++ and in memoized methods; a traced module
-    puts a type per submodule, and a traced function itself, into TorchScript's process-wide unit. A
-    server that compiles model after model must keep none of these for every model."""
+    collector's sight, its guards alive through finalizers on long-lived objects, a dynamic compile's
+    shape environment in a cycle through C++ and in memoized methods, and torch.fx every graph's
+    generated source; a traced module puts a type per submodule, and a traced function itself, into
+    TorchScript's process-wide unit. A server that compiles model after model must keep none of these
+    for every model."""
     from torch._dynamo.guards import CheckFunctionManager
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -451,14 +452,22 @@ def test_a_compiled_model_that_is_gone_leaves_no_graphs_behind(mode):
         assert forward.stats.compilations, "the compiled call ran"
         return weakref.ref(net)
 
+    def collected_and_swept():
+        gc.collect()  # the dropped models' finalizers release their compiled code
+        compile_module.sweep_dead_guards()  # what the next compile would do first
+
     compile_and_drop()
+    collected_and_swept()
     graphs, guards, types_, shape_envs = _live(torch.fx.GraphModule), _live(CheckFunctionManager), _live(type), _live(ShapeEnv)
+    graph_sources = len(torch.fx.graph_module._loader.eval_cache)
     script_functions = len(torch.jit._state._python_cu.get_functions())
     models = [compile_and_drop() for _ in range(3)]
     assert all(model() is None for model in models)
+    collected_and_swept()
     assert _live(torch.fx.GraphModule) <= graphs, "each compiled model left its graphs in the process"
     assert _live(CheckFunctionManager) <= guards, "each compiled model left its guards in the process"
     assert _live(ShapeEnv) <= shape_envs, "each compiled model left its dynamic shapes' environments in the process"
+    assert len(torch.fx.graph_module._loader.eval_cache) <= graph_sources, "each compiled model left its graphs' source in torch.fx's cache"
     assert _live(type) <= types_, "each traced model left TorchScript types (one per submodule) in the process"
     assert len(torch.jit._state._python_cu.get_functions()) <= script_functions, "each trace left its graph in TorchScript's unit"
 
