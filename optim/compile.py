@@ -460,8 +460,8 @@ def release_compiled_code(codes: tuple[types.CodeType, ...]) -> None:
 
 
 def sweep_dead_guards() -> None:
-    """Detach the finalizers that keep the guards of dropped compiled entries alive, and free the
-    shape environments of finished compiles. Dynamo puts a ``weakref.finalize`` on every object a
+    """Detach the finalizers that keep the guards of dropped compiled entries alive, and free what
+    torch keeps of finished compiles (``_free_finished_compile_state``). Dynamo puts a ``weakref.finalize`` on every object a
     guard matches by identity (classes, modules, functions that live as long as the process) to
     invalidate the guard's entry should the object go; once the entry is gone the callback does
     nothing but hold the guards (some 15 MiB per compiled UNet). Only between compiles (under
