@@ -461,12 +461,12 @@ def release_compiled_code(codes: tuple[types.CodeType, ...]) -> None:
 
 def sweep_dead_guards() -> None:
     """Detach the finalizers that keep the guards of dropped compiled entries alive, and free what
-    torch keeps of finished compiles (``_free_finished_compile_state``). Dynamo puts a ``weakref.finalize`` on every object a
-    guard matches by identity (classes, modules, functions that live as long as the process) to
-    invalidate the guard's entry should the object go; once the entry is gone the callback does
-    nothing but hold the guards (some 15 MiB per compiled UNet). Only between compiles (under
-    dynamo's compile lock, never inside a compiled call), where no guard is half built; nothing on
-    a torch whose guards are kept otherwise."""
+    torch keeps of finished compiles (``_free_finished_compile_state``). Dynamo puts a
+    ``weakref.finalize`` on every object a guard matches by identity (classes, modules, functions
+    that live as long as the process) to invalidate the guard's entry should the object go; once
+    the entry is gone the callback does nothing but hold the guards (some 15 MiB per compiled UNet).
+    Only between compiles (under dynamo's compile lock, never inside a compiled call), where no
+    guard is half built; nothing on a torch whose guards are kept otherwise."""
     global _released
     if not _released or _running:
         return
@@ -512,7 +512,7 @@ def _free_finished_compile_state() -> None:
             member.cache_clear()
     sources = getattr(getattr(graph_module, "_loader", None), "eval_cache", None)
     if isinstance(sources, dict):
-        for name in [name for name in list(sources) if name not in live_files]:
+        for name in [name for name in sources if name not in live_files]:
             sources.pop(name, None)
             linecache.cache.pop(name, None)
 
