@@ -427,7 +427,7 @@ def bench_speed(
     return rows
 
 
-# Where each isolated rung's compilers keep their caches: sdopt's compile cache (optim/compile.py), and
+# Where each isolated rung's compilers keep their caches: sdopt's compile cache (optim/compile/cache.py), and
 # inductor's and Triton's own for what compiles outside it (ComfyUI's TorchCompileModel, diffusers).
 COMPILER_CACHE_VARIABLES = ("SDOPT_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from sdopt.optim import compile as compile_module
+from sdopt.optim.compile import cache as compile_cache, config as compile_config
 from sdopt.optim import cuda_graph as cuda_graph_module
 from sdopt.optim import precision as precision_module
 from sdopt.optim.attention import Backend, Limits, register_backend, sdpa_attention, unregister_backend
@@ -212,7 +212,7 @@ def test_inductor_compiles_and_matches_eager(monkeypatch):
 
 
 def test_inductor_without_a_cpp_compiler(monkeypatch):
-    monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compile_config.shutil, "which", lambda name: None)
     monkeypatch.setattr(doctor, "compile_trial", lambda device: pytest.fail("must not compile without a compiler"))
     row = one(doctor.check_inductor(ctx()), "inductor")
     assert row.status == UNAVAILABLE and "C++ compiler" in row.result
@@ -340,7 +340,7 @@ def test_compile_cache_lists_sdopts_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("SDOPT_CACHE_DIR", str(tmp_path))
     entry = tmp_path / "abc-torch-compile"
     entry.mkdir()
-    (entry / "meta.json").write_text(json.dumps({"written_by": compile_module.WRITTEN_BY, "key": entry.name}))
+    (entry / "meta.json").write_text(json.dumps({"written_by": compile_cache.WRITTEN_BY, "key": entry.name}))
     (entry / "graph.bin").write_bytes(b"x" * 2**20)
     (tmp_path / "someone-elses").mkdir()
     row = one(doctor.check_compile_cache(ctx()), "compile cache")
@@ -368,7 +368,7 @@ NODES = ["sdopt Precision", "sdopt VAE Precision", "sdopt Attention", "sdopt VAE
 
 
 def test_nodes_on_a_cpu_say_which_modes_run_and_why_the_others_do_not(monkeypatch):
-    monkeypatch.setattr(compile_module.shutil, "which", lambda name: "/usr/bin/g++")
+    monkeypatch.setattr(compile_config.shutil, "which", lambda name: "/usr/bin/g++")
     rows = {r.check.removeprefix("node: "): r for r in doctor.check_nodes(ctx())}
     assert list(rows) == NODES
     for name in ("sdopt VAE Precision", "sdopt Tiled VAE", "sdopt Low Memory", "sdopt Step Cache", "sdopt Profiler"):
@@ -384,11 +384,11 @@ def test_nodes_on_a_cpu_say_which_modes_run_and_why_the_others_do_not(monkeypatc
 
 
 def test_compile_node_without_a_compiler_or_after_a_failed_inductor_trial(monkeypatch):
-    monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(compile_config.shutil, "which", lambda name: None)
     row = one(doctor.check_nodes(ctx()), "node: sdopt Compile")
     assert "backend inductor (inductor on a CPU needs a C++ compiler" in row.result and "trace" in row.result
     assert_fix(row, "install g++ or clang++")
-    monkeypatch.setattr(compile_module.shutil, "which", lambda name: "/usr/bin/g++")
+    monkeypatch.setattr(compile_config.shutil, "which", lambda name: "/usr/bin/g++")
     context = ctx()
     context.rows["inductor"] = CheckRow("inductor", "tried", FAILED, "the compile failed: CppCompileError", "fix")
     row = one(doctor.check_nodes(context), "node: sdopt Compile")
