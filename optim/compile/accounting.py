@@ -19,6 +19,7 @@ from .private_code import sweep_dead_guards
 # CompiledForward's own wrapper: split because what it calls is, so never named as the function split
 _WRAPPER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forward.py")
 
+
 @dataclass(frozen=True)
 class GaveUp:
     """A function torch would not compile, so that it runs eagerly: which, why, and the fix."""
@@ -41,6 +42,9 @@ CPU_PROBE_NOTE_SECONDS = 0.5  # a shorter probe read its answer from the cache f
 
 @dataclass
 class CompileStats:
+    """One compiled model's account: compilations and their time, why it recompiled, what torch did
+    short of one graph per input signature, and what ran eagerly instead (the record's stats line)."""
+
     compilations: int = 0
     compile_seconds: float = 0.0
     recompile_reasons: list[str] = field(default_factory=list)
