@@ -14,6 +14,7 @@ class) lives in that copy: tests reach it through ``comfy_host.pack("nodes.promp
 ``comfy_host.glue``, ``.prompt_context``, ``.fast_path``), never through the ``sdopt`` they import.
 """
 import copy
+import gc
 import os
 import re
 import sys
@@ -282,7 +283,11 @@ def comfy_host(tmp_path_factory):
         pytest.fail(f"COMFYUI_PATH is set but unusable: {error}")
     host.add_models_folder(models)
     host.set_output_folder(tmp_path_factory.mktemp("output"))
-    return ComfyHostFixture(host, checkpoint, FAMILIES["sd15"])
+    yield ComfyHostFixture(host, checkpoint, FAMILIES["sd15"])
+    # Node outputs the executor still caches would live until the interpreter exits, when ComfyUI's
+    # ModelPatcher.__del__ finds its modules torn down and prints a traceback for each one.
+    host.clear_cache()
+    gc.collect()
 
 
 @pytest.fixture(params=HOST_FAMILIES)
