@@ -152,6 +152,19 @@ class ComfyHostFixture:
         """(model, clip, vae) of this family's mini checkpoint, loaded once and shared like ComfyUI's cache does."""
         return self._loaded
 
+    def release(self) -> None:
+        """Drop every model the session loaded (each family's, the executor's cached node outputs,
+        ComfyUI's loaded models) and collect, while ComfyUI's modules are still there: a ModelPatcher
+        left to the interpreter's exit finds them torn down in its ``__del__`` and prints a traceback."""
+        import comfy.model_management
+
+        for view in self._views.values():
+            view.__dict__.pop("_loaded", None)
+            view.__dict__.pop("_conds", None)
+        self.host.clear_cache()
+        comfy.model_management.unload_all_models()
+        gc.collect()
+
     def pack(self, name: str):
         """Module ``name`` (e.g. ``"nodes.glue"``) of the pack as ComfyUI loaded it."""
         return self.host.pack(name)
@@ -283,11 +296,9 @@ def comfy_host(tmp_path_factory):
         pytest.fail(f"COMFYUI_PATH is set but unusable: {error}")
     host.add_models_folder(models)
     host.set_output_folder(tmp_path_factory.mktemp("output"))
-    yield ComfyHostFixture(host, checkpoint, FAMILIES["sd15"])
-    # Node outputs the executor still caches would live until the interpreter exits, when ComfyUI's
-    # ModelPatcher.__del__ finds its modules torn down and prints a traceback for each one.
-    host.clear_cache()
-    gc.collect()
+    fixture = ComfyHostFixture(host, checkpoint, FAMILIES["sd15"])
+    yield fixture
+    fixture.release()
 
 
 @pytest.fixture(params=HOST_FAMILIES)
