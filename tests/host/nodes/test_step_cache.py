@@ -31,27 +31,30 @@ def close(out, reference):
     return (out - reference).abs().max().item() <= REL_TOL * reference.abs().max().item()
 
 
-_STOCK = {}
+@pytest.fixture(scope="module")
+def stock_runs():
+    """Per family, (model as loaded, its stock latent): sampled once in this module, and dropped with
+    it rather than held until the interpreter exits."""
+    return {}
 
 
-def _stock(host):
-    """(model as loaded, its stock latent), sampled once per family."""
+def _stock(host, runs: dict):
     name = host.model_family.name
-    if name not in _STOCK:
+    if name not in runs:
         model = host.load_checkpoint()[0]
-        _STOCK[name] = model, host.sample(model, STEPS)
-    return _STOCK[name]
+        runs[name] = model, host.sample(model, STEPS)
+    return runs[name]
 
 
 @pytest.fixture
-def stock(unet_host):
-    return _stock(unet_host)
+def stock(unet_host, stock_runs):
+    return _stock(unet_host, stock_runs)
 
 
 @pytest.fixture
-def sd15_stock(comfy_host):
+def sd15_stock(comfy_host, stock_runs):
     """The SD1.5 mini's: what does not depend on the family is held there only."""
-    return _stock(comfy_host)
+    return _stock(comfy_host, stock_runs)
 
 
 def test_interval_one_runs_the_split_unet_and_equals_stock(unet_host, stock):
@@ -169,12 +172,12 @@ def test_first_block_at_threshold_zero_runs_every_block_and_equals_stock(dit_hos
         (name, index) for name, count in groups.items() for index in range(count)}
 
 
-def test_first_block_skips_the_later_blocks_and_leaves_the_model_alone(comfy_host):
+def test_first_block_skips_the_later_blocks_and_leaves_the_model_alone(comfy_host, stock_runs):
     """On random weights the first block's change moves by about 100% from step to step (0.9 to 1.2
     on this mini; a trained model's moves by a few percent), so only the node's largest threshold
     skips here, and only on some calls."""
     host = comfy_host.family("sd35")
-    model, reference = _stock(host)
+    model, reference = _stock(host, stock_runs)
     patched = first_block(host, model, threshold=1.0)
     out = host.sample(patched, STEPS)
     stats = block_cache(host, patched).stats
@@ -187,9 +190,9 @@ def test_first_block_skips_the_later_blocks_and_leaves_the_model_alone(comfy_hos
     assert record["active"] == "first_block: threshold 1" and "6 double_blocks" in record["note"]
 
 
-def test_first_block_chained_twice_keeps_the_last_ones_settings(comfy_host):
+def test_first_block_chained_twice_keeps_the_last_ones_settings(comfy_host, stock_runs):
     host = comfy_host.family("sd35")
-    model, _ = _stock(host)
+    model, _ = _stock(host, stock_runs)
     twice = first_block(host, first_block(host, model, threshold=1.0), threshold=0.0)
     cache = block_cache(host, twice)
     assert cache.config.threshold == 0.0
@@ -197,9 +200,9 @@ def test_first_block_chained_twice_keeps_the_last_ones_settings(comfy_host):
     assert cache.stats.reused_calls == 0, "the first node's cache no longer runs inside the second's"
 
 
-def test_first_block_under_regional_compile_runs_compiled_and_whole_compile_runs_eager(comfy_host):
+def test_first_block_under_regional_compile_runs_compiled_and_whole_compile_runs_eager(comfy_host, stock_runs):
     host = comfy_host.family("sd35")
-    model, _ = _stock(host)
+    model, _ = _stock(host, stock_runs)
     compile_node = host.nodes["SDOptCompile"]()
     eager = host.sample(first_block(host, model, threshold=1.0), STEPS)
 
