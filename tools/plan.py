@@ -616,7 +616,8 @@ def _allocated_growth(fn, device: torch.device, cap_bytes: int | None = None) ->
     torch.cuda.empty_cache()
     if cap_bytes is not None:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(device) + cap_bytes) / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()  # it takes no bare "cuda"
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(device) + cap_bytes) / total), index)
     memory.reset()
     before = torch.cuda.memory_allocated(device)
     try:

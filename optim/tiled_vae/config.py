@@ -143,6 +143,8 @@ def free_memory(device: torch.device | str) -> int:
     MemAvailable (or psutil's available) for host memory."""
     device = torch.device(device)
     if device.type == "cuda":
+        if device.index is None:  # torch's get_per_process_memory_fraction takes no bare "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         usable = free + torch.cuda.memory_reserved(device) - allocated

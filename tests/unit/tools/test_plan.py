@@ -249,7 +249,13 @@ def test_the_gpu_check_caps_the_stage_at_the_prediction_plus_its_headroom(monkey
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1000)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=10_000))
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda fraction, device=None: fractions.append(fraction))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def set_fraction(fraction, device):
+        if not isinstance(device, int) and torch.device(device).index is None:  # as torch's own check
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        fractions.append(fraction)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
 
     def needs_too_much():
         raise torch.OutOfMemoryError("CUDA out of memory")
