@@ -109,9 +109,9 @@ def plan_phases(model: str | None = None, sdxl_model: str = "sdxl-full", dry_run
         skipped = {rung: CPU_COMPILE_SKIP for rung in rungs if rung in COMPILING_RUNGS}
         return {**skipped, "precision": DRY_PRECISION_SKIP} if "precision" in rungs else skipped
     phases = [
-        Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 330),
+        Phase(1, "gpu-tests", "tests/gpu", "run_gpu_tests", 360),
         Phase(2, "doctor", "sdopt doctor", "run_doctor", 30, {"comfyui": comfyui}),
-        Phase(3, "speed", f"bench speed: the SD1.5 ladder ({model})", "run_speed", 240,
+        Phase(3, "speed", f"bench speed: the SD1.5 ladder ({model})", "run_speed", 210,
               {**common, "model": model, **speed, "rungs": SPEED_LADDER, "skip_rungs": skip_rungs(SPEED_LADDER)}),
         Phase(4, "competitors", f"bench speed: sdopt against TorchCompileModel and diffusers ({model})", "run_speed", 210,
               {**common, "model": model, **speed, "rungs": COMPETITORS, "skip_rungs": skip_rungs(COMPETITORS)}),
