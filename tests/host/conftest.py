@@ -14,7 +14,6 @@ class) lives in that copy: tests reach it through ``comfy_host.pack("nodes.promp
 ``comfy_host.glue``, ``.prompt_context``, ``.fast_path``), never through the ``sdopt`` they import.
 """
 import copy
-import gc
 import os
 import re
 import sys
@@ -153,17 +152,11 @@ class ComfyHostFixture:
         return self._loaded
 
     def release(self) -> None:
-        """Drop every model the session loaded (each family's, the executor's cached node outputs,
-        ComfyUI's loaded models) and collect, while ComfyUI's modules are still there: a ModelPatcher
-        left to the interpreter's exit finds them torn down in its ``__del__`` and prints a traceback."""
-        import comfy.model_management
-
+        """Drop every model the session loaded, each family's and then the host's (``ComfyHost.release``)."""
         for view in self._views.values():
             view.__dict__.pop("_loaded", None)
             view.__dict__.pop("_conds", None)
-        self.host.clear_cache()
-        comfy.model_management.unload_all_models()
-        gc.collect()
+        self.host.release()
 
     def pack(self, name: str):
         """Module ``name`` (e.g. ``"nodes.glue"``) of the pack as ComfyUI loaded it."""

@@ -1,5 +1,6 @@
 """``sdopt run`` in real ComfyUI: ``--vram-cap``'s line on stderr and in the report (on a GPU in
-force, on a CPU ignored without failing the run), and a node's UserError as one line on stderr."""
+force, on a CPU ignored without failing the run), a node's UserError as one line on stderr, and the
+host's ``release`` of every model a run left behind."""
 import json
 import os
 import subprocess
@@ -46,3 +47,29 @@ def test_a_mistake_found_while_running_is_one_line_without_a_traceback(comfy_hos
     assert done.stderr.rstrip().endswith(
         "sdopt: error: node 10 (SDOptProfiler): label: it is empty; give the runs a name, e.g. 'baseline'"
     ), done.stderr[-4000:]
+
+
+_RELEASE_SCRIPT = """
+import gc, json, sys
+from sdopt.tools.headless import boot, run_workflow
+comfyui, models, workflow, out, *sets = sys.argv[1:]
+run_workflow(workflow, comfyui, models, sets, out_dir=out)
+import comfy.model_patcher
+alive = lambda: sum(isinstance(o, comfy.model_patcher.ModelPatcher) for o in gc.get_objects())
+before = alive()
+boot(comfyui).release()
+print(json.dumps({"before": before, "after": alive()}))
+"""
+
+
+def test_release_drops_every_model_a_run_left_in_comfyui(comfy_host, tmp_path):
+    """What a finished run leaves (ComfyUI's cached node outputs, its loaded models) holds ModelPatchers;
+    ``release``, which the runner also registers for the interpreter's exit, drops them all."""
+    command = [sys.executable, "-c", _RELEASE_SCRIPT, str(comfy_host.host.path), str(comfy_host.models),
+               str(comfy_host.WORKFLOWS / "sd15_baseline.json"), str(tmp_path / "out"), *comfy_host.SMALL]
+    done = subprocess.run(command, cwd=tmp_path, env=os.environ.copy(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["before"] > 0, "the run's models are still cached when it returns"
+    assert counts["after"] == 0, counts
+    assert "Exception ignored" not in done.stderr, done.stderr[-4000:]
