@@ -21,7 +21,7 @@ def attention_inputs(first: str, kind: str) -> dict:
     """The inputs both attention nodes share, with tooltips."""
     backends = "\n".join([f"{AUTO}: {AUTO_NOTE}", f"{LOW_MEMORY}: {LOW_MEMORY_NOTE}"] + [f"{name}: {get_backend(name).description}" for name in backend_names()])
     return {"required": {
-        first: (kind, {"tooltip": f"The {kind} to patch; it is never changed, the node returns a patched copy."}),
+        first: glue.patched_input(kind),
         "backend": (list(attention_choices()), {"default": AUTO, "tooltip": backends}),
         "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": (
             "fallback: use sdpa (or sub_quadratic, naive) and say so in the report; error: stop with the reason")}),

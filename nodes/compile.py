@@ -86,7 +86,7 @@ class SDOptCompile:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
+            "model": glue.patched_input("MODEL"),
             "mode": (list(MODES), {"default": "compile", "tooltip": "compile: whole UNet. compile_regional: each repeated block class, once per weight shape and block position; on SD1.5 it saves little compile time and recompiles per resolution, it pays off where repeated blocks share one shape. trace: torch.jit.trace per resolution."}),
             "backend": (list(BACKENDS), {"default": "inductor", "tooltip": "torch.compile backend (compile modes only)."}),
             "compile_mode": (list(COMPILE_MODES), {"default": "default", "tooltip": "inductor mode. Prefer default or max-autotune-no-cudagraphs with sdopt CUDA Graph: reduce-overhead makes its own graphs."}),

@@ -26,7 +26,7 @@ class SDOptCUDAGraph:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
+            "model": glue.patched_input("MODEL"),
             "max_graphs": ("INT", {"default": 4, "min": 1, "max": 64, "tooltip": "Graphs kept (least recently used dropped first); each holds its own activations."}),
             "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a machine without CUDA: pass the model through with a note in the report, or stop with an error."}),
         }}

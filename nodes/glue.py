@@ -44,6 +44,12 @@ from .prompt_context import _filing_records
 RECORDS_KEY = "sdopt_optimizations"
 DEFAULT = "default"
 VAE_METHODS = ("decode", "encode", "decode_tiled", "encode_tiled")
+PATCHED_SUBJECTS = {"MODEL": "diffusion model", "VAE": "VAE"}
+
+
+def patched_input(kind: str) -> tuple[str, dict]:
+    """The input a patching node takes its MODEL or VAE from, with the tooltip that promises a copy."""
+    return (kind, {"tooltip": f"The {PATCHED_SUBJECTS[kind]} to patch; it is never changed, the node returns a patched copy."})
 
 
 # --- keyed wrappers and records on models ----------------------------------------------------------

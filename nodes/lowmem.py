@@ -31,7 +31,7 @@ class SDOptLowMemory:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
+            "model": glue.patched_input("MODEL"),
             "budget_mb": ("INT", {"default": 256, "min": 1, "max": 1 << 20, "tooltip": "Working memory one operation may use, beyond its input and output."}),
             "sequential_cfg": ("BOOLEAN", {"default": True, "tooltip": "Run cond and uncond one after the other instead of as one batch."}),
             "chunk_ops": ("BOOLEAN", {"default": True, "tooltip": "Chunk GroupNorm and slice convolutions and feed-forwards over the budget."}),

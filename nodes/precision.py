@@ -60,7 +60,7 @@ class SDOptPrecision:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model to patch; it is never changed, the node returns a patched copy."}),
+            "model": glue.patched_input("MODEL"),
             "weight_dtype": ([AUTO, DEFAULT, *WEIGHT_DTYPES], {"default": AUTO, "tooltip": (
                 "How the UNet weights are stored. auto: fp16 on CUDA (bf16 for a model that prefers it, such as Flux), on a CPU bf16 where it measured faster than fp32, "
                 "else fp32. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),

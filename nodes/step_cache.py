@@ -41,7 +41,7 @@ class SDOptStepCache:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "model": ("MODEL", {"tooltip": "The diffusion model; it is never changed, the node returns a patched copy."}),
+            "model": glue.patched_input("MODEL"),
             "mode": (list(MODES), {"default": MODES[0], "tooltip": "deepcache: UNets (SD1.5, SDXL). first_block: diffusion transformers (SD3.5, Flux)."}),
             "interval": ("INT", {"default": 3, "min": 1, "max": 10, "tooltip": "deepcache: the whole UNet runs every this many model calls; 1 caches nothing."}),
             "branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip": "deepcache: how many skip levels still run on a cached call, minus one: 0 runs only the outermost blocks (fastest)."}),

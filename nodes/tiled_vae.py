@@ -69,7 +69,7 @@ class SDOptTiledVAE:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "vae": ("VAE", {"tooltip": "The VAE to tile; it is never changed, the node returns a copy."}),
+            "vae": glue.patched_input("VAE"),
             "tile": ("INT", {"default": 0, "min": 0, "max": 16384, "step": 8, "tooltip": (
                 "Tile side in image pixels (decode output, encode input): a multiple of 8, at least 64. "
                 "0 = auto: the largest tile that fits budget_mb.")}),

@@ -63,7 +63,7 @@ class SDOptVAEPrecision:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {
-            "vae": ("VAE", {"tooltip": "The VAE to patch; it is never changed, the node returns a patched copy."}),
+            "vae": glue.patched_input("VAE"),
             "dtype": ([AUTO, DEFAULT, *COMPUTE_DTYPES], {"default": AUTO, "tooltip": (
                 "The VAE's dtype. auto: fp16 on CUDA, on a CPU bf16 where it measured faster than fp32, else fp32. "
                 "default: as loaded.")}),
