@@ -190,35 +190,53 @@ def _static(obj, name: str):
     return inspect.getattr_static(obj, name, None)
 
 
-def refuse_quantized(model, input_name: str) -> None:
-    """A ``UserError`` when the model holds quantized weights, whose scales a converted copy would drop."""
+def is_quantized(model) -> bool:
+    """Whether the diffusion model holds quantized weights (scaled fp8, int8, nvfp4...)."""
     config = model.model.model_config
     quantized = _static(config, "quant_config") is not None or _static(config, "scaled_fp8") is not None
-    quantized = quantized or any(
-        type(p) not in (torch.Tensor, torch.nn.Parameter) for p in model.model.diffusion_model.parameters()
-    )
-    if quantized:
+    return quantized or any(type(p) not in (torch.Tensor, torch.nn.Parameter) for p in model.model.diffusion_model.parameters())
+
+
+def refuse_quantized(model, input_name: str, fix: str) -> None:
+    """A ``UserError`` under ``input_name`` when the model holds quantized weights, whose scales a
+    converted copy would drop."""
+    if is_quantized(model):
         raise UserError(
             f"{input_name}: this model holds quantized weights (scaled fp8, int8, nvfp4...), and a converted copy "
-            "would drop their scales; keep it at its default (ComfyUI runs quantized checkpoints natively)"
+            f"would drop their scales; {fix} (ComfyUI runs quantized checkpoints natively)"
         )
 
 
-def _unload_everywhere(module: torch.nn.Module) -> None:
-    """Unload every patcher that has ``module`` loaded, so its weights are the unpatched originals."""
+# What ComfyUI 0.38's dynamic VRAM (comfy-aimdo) keeps on a model it manages: its address-space
+# reservations, pinned host buffers and patchers on the model; each layer's staging slot, pinned copy
+# and on-the-fly weight patch. A private copy takes none of it: sharing would let the copy touch the
+# original's VRAM and pins, and a deep copy would duplicate pinned buffers of every weight.
+DYNAMIC_VRAM_MODEL_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers")
+DYNAMIC_VRAM_LAYER_STATE = DYNAMIC_VRAM_MODEL_STATE + ("_v", "_pin_state", "weight_lowvram_function", "bias_lowvram_function")
+
+
+def _is_dynamic(patcher) -> bool:
+    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+
+
+def _unload_everywhere(module: torch.nn.Module, given=None) -> None:
+    """Unload every patcher that has ``module`` loaded, so its weights are the unpatched originals.
+
+    ComfyUI 0.38's dynamic VRAM applies weight patches as each layer streams, so a module it manages
+    holds its original weights while its unload leaves ``current_weight_patches_uuid`` set. Whether it
+    manages ``module`` is read from the patchers, ``given`` (the node's input) and those loaded, and
+    from the state it keeps on the module; ``module.current_patcher`` is set only while a sampler runs."""
     import comfy.model_management as mm
 
+    patchers = [given] if given is not None and given.model is module else []
     for loaded in list(mm.current_loaded_models):
         if loaded.model is not None and loaded.model.model is module:
+            patchers.append(loaded.model)
             loaded.model_unload()
             mm.current_loaded_models.remove(loaded)
-    if getattr(module, "current_weight_patches_uuid", None) is not None and not _has_dynamic_patcher(module):
+    dynamic = any(_is_dynamic(p) for p in patchers) or any(hasattr(module, name) for name in DYNAMIC_VRAM_MODEL_STATE)
+    if getattr(module, "current_weight_patches_uuid", None) is not None and not dynamic:
         raise RuntimeError("the model still has patched weights after unloading; cannot copy its original weights")
-
-
-def _has_dynamic_patcher(module) -> bool:
-    patcher = getattr(module, "current_patcher", None)
-    return bool(getattr(patcher, "is_dynamic", lambda: False)())
 
 
 def _shallow_module_copy(module: torch.nn.Module) -> torch.nn.Module:
@@ -287,8 +305,10 @@ def private_copy(model, convert: Callable[[torch.nn.Module], torch.nn.Module], n
 
     base = model.model
     source, note = copy_source(base)
-    _unload_everywhere(source)
+    _unload_everywhere(source, model)
     copied = _shallow_module_copy(base)
+    for name in DYNAMIC_VRAM_MODEL_STATE:
+        copied.__dict__.pop(name, None)
     copied.diffusion_model = convert(source.diffusion_model)
     copied.current_patcher = None
     if hasattr(mm, "archive_model_dtypes"):
@@ -305,7 +325,7 @@ def private_vae_copy(vae, convert: Callable[[torch.nn.Module], torch.nn.Module],
     import comfy.model_management as mm
 
     source, note = copy_source(vae.first_stage_model)
-    _unload_everywhere(source)
+    _unload_everywhere(source, vae.patcher)
     duplicate = copy_vae(vae)
     duplicate.first_stage_model = convert(source)
     if hasattr(mm, "archive_model_dtypes"):
@@ -447,7 +467,7 @@ def dynamic_vram_probe() -> Callable[[], int] | None:
 def non_dynamic_clone(model):
     """A clone that ComfyUI 0.38's dynamic VRAM does not stream (graphs and compiled code need
     fixed weight addresses), as ComfyUI's own TorchCompileModel does; and which path ran."""
-    if getattr(model, "is_dynamic", lambda: False)() and hasattr(model, "get_non_dynamic_delegate"):
+    if _is_dynamic(model) and hasattr(model, "get_non_dynamic_delegate"):
         return model.get_non_dynamic_delegate(), "dynamic VRAM patcher: running on its non-dynamic delegate"
     return model.clone(), ""
 

@@ -78,19 +78,28 @@ class SDOptPrecision:
         glue.check_inputs(SDOptPrecision, weight_dtype=weight_dtype, compute_dtype=compute_dtype, tf32=tf32, channels_last=channels_last)
         device = torch.device(model.load_device)
         notes = []
-        if weight_dtype == AUTO:
+        if weight_dtype == AUTO and glue.is_quantized(model):
+            weight = None
+            notes.append("auto: weights kept as loaded: they are quantized, which ComfyUI runs natively, "
+                         "and a converted copy would drop their scales")
+        elif weight_dtype == AUTO:
             pick = pick_dtype(device, glue.inference_dtypes(model))
             notes.append(f"auto: {pick.reason}")
-        weight = dtype_name(pick.dtype) if weight_dtype == AUTO else None if weight_dtype == DEFAULT else weight_dtype
+            weight = dtype_name(pick.dtype)
+        else:
+            weight = None if weight_dtype == DEFAULT else weight_dtype
         config = PrecisionConfig(weight, None if compute_dtype == DEFAULT else compute_dtype, tf32, channels_last)
         stored = model.model_dtype()
         convs = sum(p.ndim == 4 for p in model.model.diffusion_model.parameters())
         computing = model.get_model_object("manual_cast_dtype") or stored
         plan = plan_precision(config, stored, computing, device)
         if plan.weight_dtype != stored or channels_last or plan.fp8_matmul:
-            glue.refuse_quantized(model, "channels_last" if channels_last and plan.weight_dtype == stored else "weight_dtype")
+            if plan.weight_dtype != stored:
+                glue.refuse_quantized(model, "weight_dtype", "set it to auto or default (as loaded)")
+            glue.refuse_quantized(model, *(("compute_dtype", "pick another compute dtype") if plan.fp8_matmul else
+                                           ("channels_last", "turn it off")))
             unet = model.model.diffusion_model
-            m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last), notes)
+            m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last, glue.DYNAMIC_VRAM_LAYER_STATE), notes)
             m.model.diffusion_model.dtype = plan.weight_dtype
             m.model.manual_cast_dtype = plan.compute_dtype if plan.upcasts else None
             m.set_model_compute_dtype(m.model.manual_cast_dtype)

@@ -19,7 +19,7 @@ NODE = "SDOptVAEPrecision"
 
 
 def _in_dtype(vae, dtype: torch.dtype, notes: list[str] | None = None):
-    copied = glue.private_vae_copy(vae, lambda module: converted_copy(module, dtype), notes)
+    copied = glue.private_vae_copy(vae, lambda module: converted_copy(module, dtype, leave_out=glue.DYNAMIC_VRAM_LAYER_STATE), notes)
     copied.vae_dtype = dtype
     return copied
 

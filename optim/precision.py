@@ -20,8 +20,7 @@ import contextlib
 import copy
 import functools
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,13 +322,16 @@ def _memory_format(t: torch.Tensor, channels_last: bool) -> torch.memory_format:
 
 
 @torch.no_grad()
-def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = False) -> nn.Module:
+def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = False,
+                   leave_out: Collection[str] = ()) -> nn.Module:
     """A deep copy of ``module`` with its floating-point parameters and buffers in ``dtype``
     (4-D ones channels-last if asked); ``module`` is left as it is.
 
     Each tensor is converted while it is copied, so an unconverted copy never exists. The copy's
     parameters never require grad: ComfyUI's weight patches (LoRAs) write parameters that do not,
     and a compiled model guards on the flag, so a differing one would recompile on every LoRA.
+    Attributes named in ``leave_out`` (state a host keeps on the original's modules, such as a
+    memory manager's buffers) are None on every module of the copy, their values neither shared nor copied.
     """
     memo = {}
     for p in module.parameters():
@@ -341,7 +343,20 @@ def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = 
     for b in module.buffers():
         if b.is_floating_point():
             memo[id(b)] = b.detach().to(dtype=dtype, memory_format=_memory_format(b, channels_last), copy=True)
-    return copy.deepcopy(module, memo)
+    originals = list(module.modules())
+    held = [(index, name) for index, m in enumerate(originals) for name in leave_out if name in vars(m)]
+    for index, name in held:
+        value = vars(originals[index])[name]
+        if not isinstance(value, _ATOMS):  # an atom's id is shared by every use of it
+            memo[id(value)] = None
+    copied = copy.deepcopy(module, memo)
+    copies = list(copied.modules())
+    for index, name in held:
+        setattr(copies[index], name, None)
+    return copied
+
+
+_ATOMS = (bool, int, float, str, bytes, type(None))
 
 
 def _tf32_restorers() -> list[Callable[[], None]]:

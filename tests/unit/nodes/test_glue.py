@@ -174,7 +174,7 @@ def test_rebased_on_legacy_comfyui_builds_a_new_patcher_with_the_recipe_only():
     assert patcher.model_options["transformer_options"]["k"] == "v"
 
 
-# --- b. refuse_quantized -------------------------------------------------------------------------------
+# --- b. is_quantized, refuse_quantized ----------------------------------------------------------------
 
 
 class Config033:
@@ -214,15 +214,16 @@ class QuantizedTensor(torch.Tensor):
 
 @pytest.mark.parametrize("config", [MixedOps(), ScaledFp8()], ids=["quant_config", "scaled_fp8"])
 def test_refuse_quantized_configs(config):
-    with pytest.raises(UserError, match=r"^weight_dtype: this model holds quantized weights"):
-        glue.refuse_quantized(_model(config), "weight_dtype")
+    assert glue.is_quantized(_model(config))
+    with pytest.raises(UserError, match=r"^weight_dtype: this model holds quantized weights.*; set it to default \("):
+        glue.refuse_quantized(_model(config), "weight_dtype", "set it to default")
 
 
 def test_refuse_quantized_instance_attribute():
     config = Plain()
     config.scaled_fp8 = torch.float8_e4m3fn  # as ComfyUI's model detection sets it
     with pytest.raises(UserError, match="^dtype: "):
-        glue.refuse_quantized(_model(config), "dtype")
+        glue.refuse_quantized(_model(config), "dtype", "set it to default")
 
 
 def test_refuse_quantized_tensor_subclass_parameters():
@@ -230,15 +231,15 @@ def test_refuse_quantized_tensor_subclass_parameters():
     module.weight = nn.Parameter(torch.randn(2, 2).as_subclass(QuantizedTensor), requires_grad=False)
     assert type(module.weight) is QuantizedTensor, "Parameter keeps a tensor subclass's type"
     with pytest.raises(UserError, match="weight_dtype"):
-        glue.refuse_quantized(_model(Plain(), module), "weight_dtype")
+        glue.refuse_quantized(_model(Plain(), module), "weight_dtype", "set it to default")
 
 
 def test_plain_models_pass_without_calling_getattr():
     config = Config033()
     assert config.anything is None and config.asked == ["anything"], "the fake behaves like 0.33's"
     config.asked.clear()
-    glue.refuse_quantized(_model(config), "weight_dtype")
-    glue.refuse_quantized(_model(Plain()), "weight_dtype")
+    assert not glue.is_quantized(_model(config)) and not glue.is_quantized(_model(Plain()))
+    glue.refuse_quantized(_model(config), "weight_dtype", "set it to default")
     assert config.asked == [], "quantization is read without __getattr__"
 
 
@@ -338,8 +339,62 @@ def test_private_copy_refuses_weights_still_patched(model_management):
     base.current_weight_patches_uuid = uuid.uuid4()  # an unload that did not restore the weights
     with pytest.raises(RuntimeError, match="still has patched weights"):
         glue.private_copy(OverridePatcher(base), lambda module: module)
-    base.current_patcher = types.SimpleNamespace(is_dynamic=lambda: True)  # 0.38's dynamic patcher patches on the fly
-    assert glue.private_copy(OverridePatcher(base), lambda module: module).model is not base
+
+
+class DynamicPatcher(OverridePatcher):
+    """0.38's ModelPatcherDynamic: it patches each layer's weights as the layer streams, and its
+    unload leaves ``current_weight_patches_uuid`` set."""
+
+    def is_dynamic(self):
+        return True
+
+
+class Slot:
+    """A native handle of comfy-aimdo's, which deepcopy cannot copy."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot copy an aimdo handle")
+
+
+def dynamically_loaded(base):
+    """``base`` as 0.38's dynamic VRAM leaves it between prompts: no current patcher (ComfyUI sets it only
+    while a sampler runs), the last load's patch uuid, and aimdo's state on the model and its layers."""
+    base.current_patcher = None
+    base.current_weight_patches_uuid = uuid.uuid4()
+    base.dynamic_vbars, base.dynamic_pins, base.dynamic_patchers = {"cuda:0": Slot()}, [Slot()], [Slot()]
+    for layer in base.diffusion_model:
+        layer._v, layer._pin_state = Slot(), {"weight": torch.zeros(4)}
+        layer.weight_lowvram_function = layer.bias_lowvram_function = None
+    return base
+
+
+def _convert(module):
+    return converted_copy(module, torch.bfloat16, leave_out=glue.DYNAMIC_VRAM_LAYER_STATE)
+
+
+def test_private_copy_of_a_dynamically_loaded_model_takes_none_of_its_state(model_management):
+    base = dynamically_loaded(BaseModel())
+    patcher = DynamicPatcher(base)
+    model_management.current_loaded_models[:] = [LoadedModel(patcher.clone())]
+    vbars, layer_slot = base.dynamic_vbars, base.diffusion_model[0]._v
+    copied = glue.private_copy(patcher, _convert).model
+    assert model_management.current_loaded_models == []
+    assert copied.diffusion_model[1].weight.dtype == torch.bfloat16
+    assert not any(hasattr(copied, name) for name in glue.DYNAMIC_VRAM_MODEL_STATE), "never the original's VRAM or pins"
+    assert all(getattr(layer, name) is None for layer in copied.diffusion_model for name in ("_v", "_pin_state"))
+    assert base.dynamic_vbars is vbars and base.diffusion_model[0]._v is layer_slot, "the input keeps its state"
+
+
+@pytest.mark.parametrize("known_by", ["input", "loaded", "model state"])
+def test_private_copy_knows_a_dynamically_managed_model_by_any_sign(model_management, known_by):
+    base = BaseModel()
+    base.current_patcher, base.current_weight_patches_uuid = None, uuid.uuid4()
+    given = DynamicPatcher(base) if known_by == "input" else OverridePatcher(base)
+    if known_by == "loaded":
+        model_management.current_loaded_models[:] = [LoadedModel(DynamicPatcher(base))]
+    if known_by == "model state":  # an earlier sdopt copy's input: the original, long since unloaded
+        base.dynamic_vbars = {}
+    assert glue.private_copy(given, _convert).model is not base
 
 
 def test_private_vae_copy(model_management, prompts):
@@ -357,6 +412,17 @@ def test_private_vae_copy(model_management, prompts):
     assert model_management.archived == [duplicate.first_stage_model]
     assert duplicate.sdopt_records == vae.sdopt_records and duplicate.sdopt_records is not vae.sdopt_records
 
+
+
+def test_private_vae_copy_of_a_dynamically_loaded_vae(model_management, prompts):
+    vae = FakeVAE()
+    vae.first_stage_model = nn.Conv2d(3, 3, 1)
+    vae.first_stage_model.current_weight_patches_uuid = uuid.uuid4()  # a VAE never has a current_patcher
+    vae.first_stage_model._v = Slot()
+    vae.patcher = DynamicPatcher(vae.first_stage_model)
+    duplicate = glue.private_vae_copy(vae, _convert)
+    assert duplicate.first_stage_model.weight.dtype == torch.bfloat16 and duplicate.first_stage_model._v is None
+    assert isinstance(vae.first_stage_model._v, Slot)
 
 def _recording(converted: list, dtype):
     def convert(module):

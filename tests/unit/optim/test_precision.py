@@ -152,6 +152,26 @@ def test_converted_copy_to_the_same_dtype_shares_no_storage(plain):
     _assert_unchanged(plain, snapshot)
 
 
+class Unpicklable:
+    """A handle deepcopy refuses, as a memory manager's native slot is."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot copy a native handle")
+
+
+def test_converted_copy_leaves_out_host_state_without_copying_or_sharing_it(plain):
+    handle, pinned = Unpicklable(), {"weight": torch.zeros(4)}
+    plain.conv.slot, plain.conv.pins, plain.conv.staged = handle, pinned, True
+    plain.linear.slot = Unpicklable()
+    with pytest.raises(TypeError, match="native handle"):
+        converted_copy(plain, torch.float16)
+    copied = converted_copy(plain, torch.float16, leave_out=("slot", "pins", "staged", "absent"))
+    assert copied.conv.slot is None and copied.conv.pins is None and copied.conv.staged is None and copied.linear.slot is None
+    assert plain.conv.slot is handle and plain.conv.pins is pinned and plain.conv.staged is True, "the original keeps its state"
+    assert not hasattr(copied.norm, "slot") and not hasattr(copied, "absent"), "only what a module had is set"
+    assert copied.training is plain.training and copied.conv.padding == plain.conv.padding, "shared atoms are untouched"
+
+
 def test_converted_copy_does_not_record_autograd(plain):
     copied = converted_copy(plain, torch.bfloat16)
     assert all(p.is_leaf and p.grad_fn is None for p in copied.parameters())
