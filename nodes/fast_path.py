@@ -417,10 +417,11 @@ def install_fast_path(model, fast_path: FastPath) -> None:
 def fast_path_clone(model, node: str, requested: str, problem: Unavailable | None, on_unavailable: str, name: str, config):
     """(clone, note) for SDOptCompile, SDOptCUDAGraph and SDOptStepCache: the clone's fast path gets
     ``config`` at ``name``'s place in ``CHAIN`` (the rest of the chain as the input model had it). Where ``problem``
-    says the technique cannot run: ``fall_back_or_raise``, then the clone as it is, recorded as
-    eager, and a None note."""
+    says the technique cannot run, or where ComfyUI has no non-dynamic copy of a dynamic VRAM model for it:
+    ``fall_back_or_raise``, then the clone as it is, recorded as eager, and a None note."""
     unavailable = fall_back_or_raise(on_unavailable, problem, "run eager")
-    m, path_note = non_dynamic_clone(model)
+    m, path_note, delegate_problem = (model.clone(), "", None) if unavailable else non_dynamic_clone(model)
+    unavailable = unavailable or fall_back_or_raise(on_unavailable, delegate_problem, "run eager")
     if unavailable:
         record_model(m, node, requested, "eager", f"{unavailable}; running eager", f"runs eager: {unavailable}")
         return m, None

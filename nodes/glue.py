@@ -464,10 +464,19 @@ def dynamic_vram_probe() -> Callable[[], int] | None:
     return getattr(control, "get_total_vram_usage", None)
 
 
-def non_dynamic_clone(model):
-    """A clone that ComfyUI 0.38's dynamic VRAM does not stream (graphs and compiled code need
-    fixed weight addresses), as ComfyUI's own TorchCompileModel does; and which path ran."""
-    if _is_dynamic(model) and hasattr(model, "get_non_dynamic_delegate"):
-        return model.get_non_dynamic_delegate(), "dynamic VRAM patcher: running on its non-dynamic delegate"
-    return model.clone(), ""
+DELEGATE_NOTE = "dynamic VRAM patcher: running on its non-dynamic delegate, which ComfyUI loads again from the checkpoint file"
 
+
+def non_dynamic_clone(model) -> tuple[object, str, Unavailable | None]:
+    """(clone, note, problem): a clone that ComfyUI 0.38's dynamic VRAM does not stream (graphs,
+    compiled code and a per-model VRAM budget need fixed weight addresses), as ComfyUI's own
+    TorchCompileModel makes it. Where ComfyUI cannot make one (the model came from a loader that
+    leaves no way to load it again), a plain clone and the problem, for the node's ``on_unavailable``."""
+    if not (_is_dynamic(model) and hasattr(model, "get_non_dynamic_delegate")):
+        return model.clone(), "", None
+    try:
+        return model.get_non_dynamic_delegate(), DELEGATE_NOTE, None
+    except RuntimeError as failure:
+        return model.clone(), "", Unavailable(
+            f"ComfyUI's dynamic VRAM streams this model and cannot load a copy of it without ({str(failure).splitlines()[0]})",
+            "load it with a checkpoint or diffusion-model loader, or start ComfyUI with dynamic VRAM off", "model")

@@ -73,12 +73,22 @@ def offload_wrappers(config: OffloadConfig, requested: str, path_note: str) -> d
     return {"PREPARE_SAMPLING": prepare_sampling}
 
 
-def offload_clone(model, config: OffloadConfig, requested: str):
-    """A clone of ``model`` held to ``config`` whenever it samples."""
+def offload_clone(model, config: OffloadConfig, requested: str, on_unavailable: str):
+    """A clone of ``model`` held to ``config`` whenever it samples; where ComfyUI's dynamic VRAM streams
+    the model and has no non-dynamic copy of it, ``on_unavailable`` decides, and the fallback leaves
+    the streaming to ComfyUI."""
     if config.mode == "unload_after":
-        m, path_note = model.clone(), ""
-    else:
-        m, path_note = glue.non_dynamic_clone(model)
+        return _held(model.clone(), config, requested, "")
+    m, path_note, problem = glue.non_dynamic_clone(model)
+    reason = glue.fall_back_or_raise(on_unavailable, problem, "leave the streaming to ComfyUI")
+    if reason:
+        m = glue.patched_clone(model, NODE)
+        glue.record_model(m, NODE, requested, "no-op", f"{reason}; ComfyUI's dynamic VRAM streams it", f"does nothing: {reason}")
+        return m
+    return _held(m, config, requested, path_note)
+
+
+def _held(m, config: OffloadConfig, requested: str, path_note: str):
     glue.set_wrappers(m, NODE, offload_wrappers(config, requested, path_note))
     glue.record_model(m, NODE, requested, config.describe(), path_note)
     return m
@@ -110,7 +120,7 @@ class SDOptOffload:
         requested = f"mode={mode}" + (f", budget_mb={budget_mb}" if mode == "budget" else "")
         problem = unavailable(config, model.load_device)
         if problem is None:
-            return (offload_clone(model, config, requested),)
+            return (offload_clone(model, config, requested, on_unavailable),)
         # mode none asks for nothing, so it cannot fail
         reason = glue.fall_back_or_raise(on_unavailable if mode != "none" else "fallback", problem, "pass the model through")
         m = glue.patched_clone(model, NODE)

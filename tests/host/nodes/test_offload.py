@@ -48,7 +48,7 @@ def test_each_mode_keeps_its_residency_and_samples_what_stock_samples(lean_host,
     stock = lean_host.sample(model)
     size = model.model_size()
     budget = size // 3
-    patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig(mode, budget), f"mode={mode}")
+    patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig(mode, budget), f"mode={mode}", "error")
     out = lean_host.sample(_profiled(lean_host, patched))
     torch.testing.assert_close(out, stock, rtol=0, atol=0)
     resident = patched.loaded_size()
@@ -73,7 +73,7 @@ def test_unload_after_frees_the_weights_when_sampling_ends(family_host, offload,
     nodes_offload, optim_offload = offload
     model = family_host.load_checkpoint()[0]
     stock = family_host.sample(model)
-    patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig("unload_after"), "mode=unload_after")
+    patched = nodes_offload.offload_clone(model, optim_offload.OffloadConfig("unload_after"), "mode=unload_after", "error")
     out = family_host.sample(_profiled(family_host, patched))
     assert torch.equal(out, stock)
     assert not any(loaded.model is not None and loaded.model.is_clone(model) for loaded in mm.current_loaded_models)

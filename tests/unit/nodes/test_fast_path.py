@@ -56,6 +56,24 @@ def test_compile_node_runs_on_the_non_dynamic_delegate_of_a_dynamic_patcher(patc
     assert "delegate" not in plain.model_options and "non-dynamic" not in glue.model_records(plain.model_options)[0]["note"]
 
 
+class UnreloadablePatcher(DynamicPatcher):
+    """A dynamic VRAM model from a loader that left ComfyUI no way to load it again."""
+
+    def get_non_dynamic_delegate(self):
+        raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
+
+
+def test_compile_node_without_a_non_dynamic_delegate_follows_on_unavailable(patcher_extension):
+    from sdopt.nodes.compile import SDOptCompile
+
+    patched = _compile_node(UnreloadablePatcher())
+    assert fast_path_of(patched) is None and patched.is_dynamic(), "eager, streamed by ComfyUI as before"
+    (record,) = glue.model_records(patched.model_options)
+    assert record["active"] == "eager" and "cached_patcher_init is not initialized" in record["note"]
+    with pytest.raises(UserError, match=r"^model: ComfyUI's dynamic VRAM streams this model"):
+        SDOptCompile().patch(UnreloadablePatcher(), "trace", "inductor", "default", False, False, "error")
+
+
 @torch.inference_mode()
 def test_fast_path_calls_the_unet_with_tensors_and_stable_options_only(patcher_extension):
     fast_path = fast_path_of(_compile_node(FastPatcher()))

@@ -170,6 +170,23 @@ def test_a_dynamic_patcher_runs_budget_on_its_non_dynamic_delegate(comfy):
     assert type(_node(DynamicMemoryPatcher(), "unload_after")) is DynamicMemoryPatcher
 
 
+class UnreloadablePatcher(DynamicMemoryPatcher):
+    """A dynamic VRAM model from a loader that left ComfyUI no way to load it again."""
+
+    def get_non_dynamic_delegate(self):
+        raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
+
+
+def test_a_dynamic_patcher_without_a_delegate_follows_on_unavailable(comfy):
+    model = _node(UnreloadablePatcher(), "budget", 100)
+    assert type(model) is UnreloadablePatcher, "ComfyUI's dynamic VRAM keeps streaming it"
+    (record,) = glue.model_records(model.model_options)
+    assert record["active"] == "no-op" and "cached_patcher_init is not initialized" in record["note"]
+    assert record["short"].startswith("does nothing: ComfyUI's dynamic VRAM streams this model")
+    with pytest.raises(UserError, match=r"^model: ComfyUI's dynamic VRAM streams this model .*start ComfyUI with dynamic VRAM off"):
+        _node(UnreloadablePatcher(), "budget", 100, on_unavailable="error")
+
+
 def test_unload_after_frees_the_model_when_the_sampler_returns(comfy):
     model = _node(MemoryPatcher(), "unload_after")
     model.loaded = MODEL_BYTES
