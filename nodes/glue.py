@@ -207,12 +207,16 @@ def refuse_quantized(model, input_name: str, fix: str) -> None:
         )
 
 
-# What ComfyUI 0.38's dynamic VRAM (comfy-aimdo) keeps on a model it manages: its address-space
-# reservations, pinned host buffers and patchers on the model; each layer's staging slot, pinned copy
-# and on-the-fly weight patch. A private copy takes none of it: sharing would let the copy touch the
-# original's VRAM and pins, and a deep copy would duplicate pinned buffers of every weight.
+# What ComfyUI 0.38's dynamic VRAM (comfy-aimdo) keeps on a model it manages, from the moment its
+# patcher is made: address-space reservations, pinned host buffers and its patchers, on the model; and
+# once loaded, on each layer: a staging slot, whose presence alone routes the layer's forward through
+# aimdo, the slot's signature, the pinned buffers, the on-the-fly weight patch, and cast weights turned
+# on, which no unload turns off. A private copy takes none of it (the class defaults show again, as in
+# a fresh load): sharing would let the copy touch the original's VRAM and pins, and a deep copy would
+# duplicate pinned buffers or fail on native handles.
 DYNAMIC_VRAM_MODEL_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers")
-DYNAMIC_VRAM_LAYER_STATE = DYNAMIC_VRAM_MODEL_STATE + ("_v", "_pin_state", "weight_lowvram_function", "bias_lowvram_function")
+DYNAMIC_VRAM_LAYER_STATE = DYNAMIC_VRAM_MODEL_STATE + (
+    "_v", "_v_block", "_v_signature", "_pin_state", "weight_lowvram_function", "bias_lowvram_function", "comfy_cast_weights")
 
 
 def _is_dynamic(patcher) -> bool:

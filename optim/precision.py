@@ -330,8 +330,9 @@ def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = 
     Each tensor is converted while it is copied, so an unconverted copy never exists. The copy's
     parameters never require grad: ComfyUI's weight patches (LoRAs) write parameters that do not,
     and a compiled model guards on the flag, so a differing one would recompile on every LoRA.
-    Attributes named in ``leave_out`` (state a host keeps on the original's modules, such as a
-    memory manager's buffers) are None on every module of the copy, their values neither shared nor copied.
+    Instance attributes named in ``leave_out`` (state a host keeps on the original's modules, such as
+    a memory manager's buffers) are not on the copy's modules, where the class's defaults show again:
+    their values are neither shared nor copied.
     """
     memo = {}
     for p in module.parameters():
@@ -352,7 +353,7 @@ def converted_copy(module: nn.Module, dtype: torch.dtype, channels_last: bool = 
     copied = copy.deepcopy(module, memo)
     copies = list(copied.modules())
     for index, name in held:
-        setattr(copies[index], name, None)
+        del vars(copies[index])[name]
     return copied
 
 
