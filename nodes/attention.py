@@ -8,13 +8,14 @@ on a clone. Calls that ask for what sdopt's backends do not take (a custom ``sca
 import torch
 
 from ..errors import Unavailable
-from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, summarize_decisions
+from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
 from . import glue
 
 NODE = "SDOptAttention"
 OVERRIDE_KEY = "optimized_attention_override"
 NO_OVERRIDE = Unavailable("this ComfyUI has no per-model attention override (needs 0.3.60 or newer)", "update ComfyUI", "backend")
-DELEGATED = "calls with a custom scale, grouped-query attention or inputs no sdopt backend takes ran ComfyUI's own function"
+DELEGATED = ("calls with a custom scale, grouped-query attention, a request for full-precision attention (from a low-precision "
+             "backend) or inputs no sdopt backend takes ran ComfyUI's own function")
 
 
 def attention_inputs(first: str, kind: str) -> dict:
@@ -37,7 +38,7 @@ def shortfall(requested: str, active: str, delegated: bool = False) -> str:
     if requested not in SELECTIONS and ran and any(name != requested for name in ran):
         parts.append(f"ran {active} instead of {requested}")
     if delegated:
-        parts.append("some calls ran ComfyUI's own attention (custom scale or grouped-query)")
+        parts.append("some calls ran ComfyUI's own attention (custom scale, grouped-query or full precision asked)")
     return "; ".join(parts)
 
 
@@ -47,10 +48,11 @@ def configure(backend, on_unavailable, slice_size, memory_budget_mb, device) -> 
     return config, *expected_backend(config, device)
 
 
-def comfy_attention_override(attention, report):
+def comfy_attention_override(attention, report, low_precision: bool = False):
     """An override running ``attention`` on ComfyUI's arguments, as ``attention_pytorch`` reads them.
     Calls it cannot take (a custom scale, grouped-query attention, inputs that no backend takes
-    when falling back) run ComfyUI's own function, and ``report(delegated=True)`` says so."""
+    when falling back, and, where ``attention`` is ``low_precision``, a model's request for
+    ``low_precision_attention=False``) run ComfyUI's own function, and ``report(delegated=True)`` says so."""
     run = packed_heads(attention)
 
     def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs):
@@ -58,7 +60,7 @@ def comfy_attention_override(attention, report):
             report(delegated=True)
             return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape, **kwargs)
 
-        if kwargs.get("scale") is not None or kwargs.get("enable_gqa"):
+        if kwargs.get("scale") is not None or kwargs.get("enable_gqa") or (low_precision and kwargs.get("low_precision_attention") is False):
             return comfy_own()
         precision = getattr(glue.comfy_attention(), "get_attn_precision", lambda p, d: p)(attn_precision, q.dtype)
         try:
@@ -110,7 +112,7 @@ class SDOptAttention:
                 reported["state"] = state
 
         transformer_options = dict(m.model_options.get("transformer_options", {}))
-        transformer_options[OVERRIDE_KEY] = comfy_attention_override(attention, report)
+        transformer_options[OVERRIDE_KEY] = comfy_attention_override(attention, report, runs_low_precision(backend))
         m.model_options["transformer_options"] = transformer_options
         glue.record_model(m, NODE, backend, active, note, shortfall(backend, active))
         return (m,)

@@ -124,7 +124,8 @@ class Limits:
 class Backend:
     """One registry entry. ``limits`` maps a device type (or ``ANY_DEVICE``) to what runs there;
     ``module``/``pip`` name an optional package; ``options`` name the ``AttentionConfig`` fields
-    that are passed to ``fn`` as keyword arguments."""
+    that are passed to ``fn`` as keyword arguments; ``low_precision``: it quantizes inside, so a
+    caller that asks for attention at its inputs' precision must not get it."""
 
     name: str
     fn: AttentionFn
@@ -133,6 +134,7 @@ class Backend:
     module: str | None = None
     pip: str | None = None
     options: tuple[str, ...] = ()
+    low_precision: bool = False
 
     def check(
         self,
@@ -194,6 +196,12 @@ def get_backend(name: str) -> Backend:
         return _REGISTRY[name]
     except KeyError:
         raise UserError(f"backend: unknown attention backend {name!r}; choose from {', '.join(attention_choices())}") from None
+
+
+def runs_low_precision(selection: str) -> bool:
+    """Whether ``selection`` names a backend that quantizes inside (``auto`` keeps only backends
+    within the dtype's tolerance of naive)."""
+    return selection in _REGISTRY and _REGISTRY[selection].low_precision
 
 
 def backend_function(name: str, config: AttentionConfig | None = None) -> AttentionFn:
@@ -517,6 +525,7 @@ for _backend in (
         "SageAttention (8-bit QK)",
         module="sageattention",
         pip="sageattention",
+        low_precision=True,
     ),
     Backend(
         "flash_attn",

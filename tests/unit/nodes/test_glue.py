@@ -683,10 +683,13 @@ class Recorder:
         return self.result
 
 
-@pytest.mark.parametrize("extra", [{"scale": 0.1}, {"enable_gqa": True}, {"scale": 0.1, "enable_gqa": False}])
-def test_override_hands_custom_scale_and_gqa_back_to_comfyui(comfy_attention, extra):
+@pytest.mark.parametrize("extra, low_precision", [
+    ({"scale": 0.1}, False), ({"enable_gqa": True}, False), ({"scale": 0.1, "enable_gqa": False}, False),
+    ({"low_precision_attention": False}, True),
+], ids=["scale", "gqa", "scale+gqa", "full precision from a low-precision backend"])
+def test_override_hands_custom_scale_and_gqa_back_to_comfyui(comfy_attention, extra, low_precision):
     attention, report, func = Recorder(), Recorder(), Recorder(result="comfy's output")
-    override = attention_node.comfy_attention_override(attention, report)
+    override = attention_node.comfy_attention_override(attention, report, low_precision)
     q, k, v = _packed_qkv()
     mask = torch.zeros(24, 9)
     kwargs = {"mask": mask, "attn_precision": torch.float32, "skip_reshape": False, "skip_output_reshape": True,
@@ -714,7 +717,8 @@ def test_override_hands_calls_no_sdopt_backend_takes_to_comfyui_when_falling_bac
         error(Recorder(), q, k, v, 4)
 
 
-@pytest.mark.parametrize("extra", [{}, {"scale": None}, {"enable_gqa": False}, {"transformer_options": {}}])
+@pytest.mark.parametrize("extra", [{}, {"scale": None}, {"enable_gqa": False}, {"transformer_options": {}},
+                                   {"low_precision_attention": False}, {"low_precision_attention": True}])
 def test_override_runs_the_sdopt_attention(comfy_attention, extra):
     report, func = Recorder(), Recorder()
     seen = []
@@ -786,7 +790,7 @@ def test_attention_node_records_what_ran_in_each_run(comfy_attention, patcher_ex
         assert run.optimizations[0]["active"] == "sliced"
         override(Recorder(), q, k, v, 4, scale=0.5)
     assert run.optimizations == [{"node": "SDOptAttention", "requested": "sliced", "active": "sliced", "note": attention_node.DELEGATED,
-                                  "short": "some calls ran ComfyUI's own attention (custom scale or grouped-query)"}]
+                                  "short": "some calls ran ComfyUI's own attention (custom scale, grouped-query or full precision asked)"}]
     assert records[0]["note"] == "", "the model's own record is not changed by a run"
 
 

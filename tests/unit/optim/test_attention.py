@@ -22,6 +22,7 @@ from sdopt.optim.attention import (
     available,
     backend_function,
     backend_names,
+    runs_low_precision,
     build_attention,
     get_backend,
     naive_attention,
@@ -165,6 +166,11 @@ def test_naive_computes_half_inputs_in_fp32():
     q, k, v = _qkv(1, 2, 33, 33, 16, torch.bfloat16)
     expected = naive_attention(q.float(), k.float(), v.float()).to(torch.bfloat16)
     assert torch.equal(naive_attention(q, k, v), expected)
+
+
+def test_only_quantizing_backends_run_low_precision():
+    assert runs_low_precision("sage")
+    assert not any(runs_low_precision(name) for name in (*backend_names(), AUTO, "low_memory") if name != "sage")
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONAL))

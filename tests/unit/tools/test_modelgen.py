@@ -26,7 +26,6 @@ from sdopt.families import (
     MODEL_NAMES,
     UNET_PREFIX,
     VAE_PREFIX,
-    FluxConfig,
     MMDiTConfig,
     UNetConfig,
     checkpoint_config,
