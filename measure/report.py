@@ -35,6 +35,7 @@ def markdown_table(headers: list[str], rows: list[list], right: set[int] = froze
 class Report:
     device: str
     comfyui: str | None = None
+    memory_mode: str | None = None
     runs: list[dict] = field(default_factory=list)
     nodes: list[dict] = field(default_factory=list)
     optimizations: list[dict] = field(default_factory=list)
@@ -48,6 +49,7 @@ class Report:
             "device": self.device,
             "torch": self.torch,
             "comfyui": self.comfyui,
+            "memory_mode": self.memory_mode,
             "cached": self.cached,
             "runs": self.runs,
             "nodes": self.nodes,
@@ -62,6 +64,7 @@ class Report:
         return cls(
             device=data["device"],
             comfyui=data.get("comfyui"),
+            memory_mode=data.get("memory_mode"),
             runs=list(data.get("runs", [])),
             nodes=list(data.get("nodes", [])),
             optimizations=list(data.get("optimizations", [])),
@@ -142,7 +145,8 @@ def _beside_twin(run: dict, runs: list[dict]) -> str:
 
 
 def render_markdown(report: Report) -> str:
-    lines = [f"sdopt profile: device {report.device}, torch {report.torch}, ComfyUI {report.comfyui or '-'}", ""]
+    memory = f" ({report.memory_mode})" if report.memory_mode else ""
+    lines = [f"sdopt profile: device {report.device}, torch {report.torch}, ComfyUI {report.comfyui or '-'}{memory}", ""]
     lines += [*report.notes, ""] if report.notes else []
     if not report.runs:
         lines.append("No sampling run was profiled (is SDOptProfiler on the MODEL path?).")

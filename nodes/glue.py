@@ -455,6 +455,27 @@ def comfyui_version() -> str | None:
     return __version__
 
 
+DYNAMIC_VRAM, CLASSIC_MEMORY = "dynamic VRAM", "classic memory"
+
+
+def memory_mode(device) -> tuple[str | None, str]:
+    """(mode, note): whether ComfyUI manages memory with 0.38's dynamic VRAM or classically in this
+    process, None where this ComfyUI has no dynamic VRAM; the note says where a server on this GPU
+    would run otherwise (the headless runner never starts dynamic VRAM, nor does ``--disable-dynamic-vram``)."""
+    import importlib.util
+
+    memory_management = sys.modules.get("comfy.memory_management")
+    if not hasattr(memory_management, "aimdo_enabled"):
+        return None, ""
+    if memory_management.aimdo_enabled:
+        return DYNAMIC_VRAM, ""
+    aimdo = sys.modules["comfy_aimdo"] is not None if "comfy_aimdo" in sys.modules else importlib.util.find_spec("comfy_aimdo") is not None
+    if torch.device(device).type == "cuda" and aimdo:
+        return CLASSIC_MEMORY, ("dynamic VRAM is off in this process, where a ComfyUI server on this GPU turns it on by "
+                                "default: these figures are classic memory management's")
+    return CLASSIC_MEMORY, ""
+
+
 def dynamic_vram_probe() -> Callable[[], int] | None:
     """ComfyUI 0.38's dynamic VRAM maps weights through comfy-aimdo (cuMemMap), past PyTorch's
     allocator: its total usage, where that is on; else None."""

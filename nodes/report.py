@@ -26,8 +26,11 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
     import comfy.model_management
 
     log = prompt_context.prompt_log(prompt_id)
-    report = Report(device=device_name(comfy.model_management.get_torch_device()), comfyui=glue.comfyui_version(),
-                    runs=list(log.runs), nodes=prompt_context.node_timings(prompt_id), optimizations=list(log.records))
+    device = comfy.model_management.get_torch_device()
+    mode, mode_note = glue.memory_mode(device)
+    report = Report(device=device_name(device), comfyui=glue.comfyui_version(), memory_mode=mode,
+                    runs=list(log.runs), nodes=prompt_context.node_timings(prompt_id), optimizations=list(log.records),
+                    notes=[mode_note] if mode_note else [])
     profiled = any(node.get("class_type") == "SDOptProfiler" for node in (prompt or {}).values())
     # The same report node in the same graph: another workflow's figures must never stand in for these.
     graph = json.dumps({k: v for k, v in (prompt or {}).items() if k != node_id}, sort_keys=True, default=str)

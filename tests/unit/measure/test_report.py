@@ -28,14 +28,14 @@ def report():
         runs.append(run.result().to_dict())
     nodes = [{"id": "3", "class_type": "KSampler", "seconds": 1.5, "peak_memory_bytes": 10 * 2**20}]
     records = [{"node": "SDOptVAEPrecision", "requested": "fp16+guard", "active": "bf16", "note": "redid 1 decode"}]
-    return Report(device="cpu", comfyui="0.3.64", runs=runs, nodes=nodes, optimizations=records, notes=["a note"])
+    return Report(device="cpu", comfyui="0.3.64", memory_mode="classic memory", runs=runs, nodes=nodes, optimizations=records, notes=["a note"])
 
 
 def test_json_has_the_documented_fields_and_types(report, tmp_path):
     data = json.loads(report.save_json(tmp_path / "sub" / "r.json").read_text())
     assert SCHEMA_VERSION == 2 and data["sdopt_report"] == 2
     assert isinstance(data["device"], str) and isinstance(data["torch"], str) and data["comfyui"] == "0.3.64"
-    assert data["cached"] is False and data["notes"] == ["a note"]
+    assert data["cached"] is False and data["notes"] == ["a note"] and data["memory_mode"] == "classic memory"
     assert "note" not in data, "schema 1's single note is gone"
     run = data["runs"][0]
     assert run["label"] == "baseline" and len(run["steps"]) == 3
@@ -84,7 +84,7 @@ def test_schema_doc_names_every_field(report):
 def test_markdown_lists_notes_runs_optimizations_and_nodes(report):
     text = report.markdown()
     lines = text.splitlines()
-    assert lines[0] == f"sdopt profile: device cpu, torch {report.torch}, ComfyUI 0.3.64"
+    assert lines[0] == f"sdopt profile: device cpu, torch {report.torch}, ComfyUI 0.3.64 (classic memory)"
     assert lines[2] == "a note", "notes come right after the header line"
     assert "| baseline | 3 |" in text and "| fp16 | 2 |" in text
     runs = [line for line in lines if line.startswith(("| baseline |", "| fp16 |"))][:2]

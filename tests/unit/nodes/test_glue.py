@@ -940,6 +940,20 @@ def test_outer_sample_counts_dynamic_vram_where_comfyui_0_38_maps_it(prompts, mo
     assert glue.dynamic_vram_probe() is None
 
 
+def test_memory_mode_names_dynamic_vram_and_when_a_server_would_differ(monkeypatch):
+    monkeypatch.setitem(sys.modules, "comfy.memory_management", types.ModuleType("comfy.memory_management"))
+    assert glue.memory_mode("cuda:0") == (None, ""), "a ComfyUI without dynamic VRAM"
+    sys.modules["comfy.memory_management"].aimdo_enabled = True
+    assert glue.memory_mode("cuda:0") == (glue.DYNAMIC_VRAM, "")
+    sys.modules["comfy.memory_management"].aimdo_enabled = False
+    monkeypatch.setitem(sys.modules, "comfy_aimdo", types.ModuleType("comfy_aimdo"))
+    mode, note = glue.memory_mode("cuda:0")
+    assert mode == glue.CLASSIC_MEMORY and note.startswith("dynamic VRAM is off in this process, where a ComfyUI server on this GPU")
+    assert glue.memory_mode("cpu") == (glue.CLASSIC_MEMORY, ""), "no server turns it on for a CPU"
+    monkeypatch.setitem(sys.modules, "comfy_aimdo", None)
+    assert glue.memory_mode("cuda:0") == (glue.CLASSIC_MEMORY, ""), "nor without comfy-aimdo"
+
+
 def test_profiler_node_clones_with_its_wrappers(patcher_extension, prompts, monkeypatch):
     monkeypatch.setattr(prompt_context, "install_node_timer", lambda *a: False)
     model = WrappedPatcher()
