@@ -476,9 +476,10 @@ def memory_mode(device) -> tuple[str | None, str]:
     return CLASSIC_MEMORY, ""
 
 
-def dynamic_vram_probe() -> Callable[[], int] | None:
-    """ComfyUI 0.38's dynamic VRAM maps weights through comfy-aimdo (cuMemMap), past PyTorch's
-    allocator: its total usage, where that is on; else None."""
+def dynamic_vram_probe(device) -> Callable[[], int] | None:
+    """Where ComfyUI 0.38's dynamic VRAM is on: the bytes on ``device`` mapped past PyTorch's allocator
+    (streamed weights, malloc graphs); else None. comfy-aimdo hooks every device allocation in the
+    process, so its total counts PyTorch's own segments too, which the probe takes off."""
     memory_management = sys.modules.get("comfy.memory_management")
     if not getattr(memory_management, "aimdo_enabled", False):
         return None
@@ -486,7 +487,10 @@ def dynamic_vram_probe() -> Callable[[], int] | None:
         from comfy_aimdo import control
     except ImportError:
         return None
-    return getattr(control, "get_total_vram_usage", None)
+    usage = getattr(control, "get_total_vram_usage", None)
+    if usage is None or torch.device(device).type != "cuda":
+        return usage
+    return lambda: max(0, usage() - torch.cuda.memory_reserved(device))
 
 
 DELEGATE_NOTE = "dynamic VRAM patcher: running on its non-dynamic delegate, which ComfyUI loads again from the checkpoint file"

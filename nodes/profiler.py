@@ -19,7 +19,7 @@ def _outer_sample(label: str):
         prompt_id = prompt_context.current_prompt_id()
         prompt_context.install_node_timer(prompt_id, prompt_context.current_node_id())
         patcher = guider.model_patcher
-        run = SamplingRun(label, patcher.load_device, glue.model_records(guider.model_options), glue.dynamic_vram_probe(),
+        run = SamplingRun(label, patcher.load_device, glue.model_records(guider.model_options), glue.dynamic_vram_probe(patcher.load_device),
                           glue.model_family(patcher).label)
         with run.memory_scope():
             output = executor(*args, **kwargs)

@@ -448,8 +448,9 @@ def run_vae(out: Path, phase: Phase) -> dict:
                 skipped[f"untiled {size}²"] = "out of memory on this device"
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+            stats = None
             for mode, injected in (("tiled", 0), ("tiled + injected OOM", 1)):
-                if injected and stats.last_resort:
+                if injected and stats is not None and stats.last_resort:
                     skipped[f"{mode} {size}²"] = (f"the plain tiled decode already ran at its last resort ({stats.describe()}): "
                                                   "an out-of-memory error there is raised, with nothing smaller to retry")
                     continue

@@ -273,7 +273,7 @@ class ComfyHost:
             plans = callable(getattr(mm, "get_free_memory", None))
             if plans:
                 mm.get_free_memory = capped_free_memory(mm.get_free_memory, cap_bytes, device, torch.cuda.memory_allocated)
-            cap = replace(cap, comfy_plans_for_cap=plans, dynamic_vram=dynamic_vram_probe() is not None)
+            cap = replace(cap, comfy_plans_for_cap=plans, dynamic_vram=dynamic_vram_probe(device) is not None)
         self.vram_cap = cap
         return cap
 

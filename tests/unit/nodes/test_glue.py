@@ -936,8 +936,12 @@ def test_outer_sample_counts_dynamic_vram_where_comfyui_0_38_maps_it(prompts, mo
     sys.modules["comfy.memory_management"].aimdo_enabled = True
     outer(OuterExecutor([]), "noise")
     assert prompt_context.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] == 3 * 2**30
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2**30)  # counted by aimdo's hook too
+    assert glue.dynamic_vram_probe("cuda:0")() == 2 * 2**30
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 4 * 2**30)
+    assert glue.dynamic_vram_probe("cuda:0")() == 0
     monkeypatch.setitem(sys.modules, "comfy_aimdo", None)  # enabled, but the package cannot be imported
-    assert glue.dynamic_vram_probe() is None
+    assert glue.dynamic_vram_probe("cuda:0") is None
 
 
 def test_memory_mode_names_dynamic_vram_and_when_a_server_would_differ(monkeypatch):
