@@ -61,9 +61,10 @@ def comfy_attention():
     return attention
 
 
-def free_for_work(device: torch.device) -> int:
+def free_for_work(device: torch.device, patcher=None) -> int:
     """Bytes a node may use on ``device`` now, as ComfyUI plans: what the device can still allocate,
-    less the VRAM ComfyUI keeps for other applications (``--reserve-vram``) on a GPU."""
+    plus what ComfyUI 0.38's dynamic VRAM would hand back from streamed weights (``patcher``'s view of
+    free memory counts it), less the VRAM ComfyUI keeps for other applications (``--reserve-vram``)."""
     from comfy import model_management
 
     from ..optim.tiled_vae import free_memory
@@ -72,6 +73,8 @@ def free_for_work(device: torch.device) -> int:
     reserved = getattr(model_management, "extra_reserved_memory", None)
     if torch.device(device).type == "cpu" or not callable(reserved):
         return free
+    if hasattr(patcher, "get_free_memory"):
+        free += max(0, patcher.get_free_memory(torch.device(device)) - model_management.get_free_memory(torch.device(device)))
     return max(free - int(reserved()), 0)
 
 

@@ -8,6 +8,7 @@ upstream of it, the redo tiles too. ComfyUI's own tiled decode/encode (VAE Decod
 to ComfyUI.
 """
 import copy
+import functools
 
 from ..errors import UserError
 from ..measure.record import record
@@ -99,7 +100,8 @@ class SDOptTiledVAE:
         if getattr(vae, "first_stage_model", None) is None:
             raise UserError("vae: this VAE has no weights (the checkpoint holds no VAE); load one with a VAE loader")
         config = TiledVAEConfig(tile=tile or None, overlap=overlap, only_when_needed=only_when_needed,
-                                budget_bytes=budget_mb * 2**20 if budget_mb else None, free_bytes=glue.free_for_work)
+                                budget_bytes=budget_mb * 2**20 if budget_mb else None,
+                                free_bytes=functools.partial(glue.free_for_work, patcher=getattr(vae, "patcher", None)))
         requested = (f"tile={tile or 'auto'}, overlap={overlap}, only_when_needed={'on' if only_when_needed else 'off'}, "
                      f"budget={f'{budget_mb} MiB' if budget_mb else 'free memory'}")
         tallies = {}

@@ -1126,6 +1126,10 @@ def test_free_for_work_leaves_comfyuis_reserved_vram(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
     monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
     assert glue.free_for_work(torch.device("cuda", 0)) == (4 << 30) - (600 << 20)
+    sys.modules["comfy.model_management"].get_free_memory = lambda device: 4 << 30
+    streaming = types.SimpleNamespace(get_free_memory=lambda device: 7 << 30)  # 0.38: plus 3 GiB its streamed weights give back
+    assert glue.free_for_work(torch.device("cuda", 0), streaming) == (7 << 30) - (600 << 20)
+    assert glue.free_for_work(torch.device("cuda", 0), types.SimpleNamespace()) == (4 << 30) - (600 << 20), "0.3.x patchers"
     # host memory has no VRAM reserve
     from sdopt.optim.tiled_vae import free_memory
     assert abs(glue.free_for_work(torch.device("cpu")) - free_memory("cpu")) < 256 << 20
