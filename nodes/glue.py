@@ -28,6 +28,7 @@ import copy
 import inspect
 import sys
 import types
+import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -270,6 +271,11 @@ def rebased(patcher, module: torch.nn.Module):
         clone = patcher.clone(model_override=(module, backups), **options)
         clone.cached_patcher_init = None
         clone.size = 0  # clone() passed the original's size; model_size() measures the copy instead
+        # clone() shares these with the input, tied to the input's weights: hook LoRAs' weight backups and
+        # cached patched weights, and the identity multi-GPU copies compare
+        for name, fresh in (("hook_backup", dict), ("cached_hook_patches", dict), ("clone_base_uuid", uuid.uuid4)):
+            if hasattr(clone, name):
+                setattr(clone, name, fresh())
         return clone
     clone = patcher.clone()
     fresh = type(patcher)(module, patcher.load_device, patcher.offload_device, weight_inplace_update=patcher.weight_inplace_update)

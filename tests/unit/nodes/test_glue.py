@@ -43,6 +43,7 @@ class OverridePatcher:
         self.patches = {"w": [("lora",)]}
         self.model_options = {"transformer_options": {"x": 1}}
         self.cached_patcher_init = ("load_checkpoint", ("sd15.safetensors",))
+        self.hook_backup, self.cached_hook_patches, self.clone_base_uuid = {"w": "hooked"}, {"group": {"w": "cached"}}, uuid.uuid4()
         self.clone_calls = []
 
     def get_clone_model_override(self):
@@ -56,6 +57,8 @@ class OverridePatcher:
         clone.patches = {k: v[:] for k, v in self.patches.items()}
         clone.model_options = copy.deepcopy(self.model_options)
         clone.cached_patcher_init = self.cached_patcher_init
+        clone.hook_backup, clone.clone_base_uuid = self.hook_backup, self.clone_base_uuid  # by reference, as ComfyUI's clone
+        clone.cached_hook_patches = {group: dict(cached) for group, cached in self.cached_hook_patches.items()}
         clone.parent = self
         return clone
 
@@ -83,6 +86,9 @@ def test_rebased_asks_comfyui_for_a_non_dynamic_clone_with_fresh_backups():
     assert rebased.size == 0 and patcher.size == 1234, "the copy's size is measured, not the original's"
     assert patcher.cached_patcher_init == ("load_checkpoint", ("sd15.safetensors",)), "the input patcher keeps its factory"
     assert rebased.patches == patcher.patches and rebased.model_options == patcher.model_options
+    assert rebased.hook_backup == {} and rebased.cached_hook_patches == {}, "hook LoRA backups are of the input's weights"
+    assert rebased.clone_base_uuid != patcher.clone_base_uuid, "multi-GPU copies must not take it for the input's weights"
+    assert patcher.hook_backup == {"w": "hooked"} and patcher.cached_hook_patches == {"group": {"w": "cached"}}
     assert patcher.backup == {"w": 1} and patcher.pinned == {"k"}
 
 
