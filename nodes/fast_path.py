@@ -26,6 +26,7 @@ FAST_PATH_KEY = "sdopt.fast_path"
 # they run in the forward (only the blocks are compiled), so the fast path passes them on rather than
 # going eager
 BLOCK_CACHE_ATTRIBUTE = "sdopt_first_block_cache"
+NEVER_CALLED = "ComfyUI never called the diffusion model through the fast path in this run (it ran no DIFFUSION_MODEL wrapper)"
 # Below this, inductor's per-step copy of NCHW conv weights costs microseconds: not worth a note.
 NCHW_NOTE_MIN_BYTES = 2**20
 _KEPT_OPTIONS = ("optimized_attention_override", "patches_replace")
@@ -222,6 +223,7 @@ class FastPath:
         self.cache_root = cache_root
         self.runners: dict[tuple, tuple] = {}
         self.eager_reasons: dict[str, int] = {}
+        self.calls = 0  # in the current sampling run
         self.nchw_conv_bytes = 0
         self.cache_saved = None
         self.requested: dict[str, str] = {}
@@ -265,6 +267,7 @@ class FastPath:
         return fn, parts, cache
 
     def __call__(self, executor, *args, **kwargs):
+        self.calls += 1
         bound = _bind(self.family.call, args, kwargs)
         if bound is None:
             reason = f"more positional inputs than {self.family.described.title}'s call takes"
@@ -381,12 +384,16 @@ def install_fast_path(model, fast_path: FastPath) -> None:
     def report_after_sampling(executor, *args, **kwargs):
         if fast_path.schedule is not None:
             fast_path.schedule.reset()
+        fast_path.calls = 0
         try:
             return executor(*args, **kwargs)
         finally:
             compile_stats, graph_stats = fast_path.stats()
             eager = "; ".join(filter(None, [*(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items()), fast_path.family.unknown_note]))
             eager_short = f"eager for {_some_reasons(fast_path.eager_reasons)}" if fast_path.eager_reasons else ""
+            if not fast_path.calls:
+                eager = "; ".join(filter(None, [NEVER_CALLED, eager]))
+                eager_short = "did nothing: " + NEVER_CALLED
             if "SDOptCompile" in requested and fast_path.compile_config:
                 warm = "; ".join(dict.fromkeys(filter(None, (cache.note() for *_, cache in fast_path.runners.values() if cache))))
                 layout = (

@@ -209,6 +209,24 @@ def test_the_compile_record_says_when_inductor_converts_nchw_conv_weights_every_
     assert "NCHW" not in record_after_sampling(converted_copy(unet, torch.float32, channels_last=True))
 
 
+@torch.inference_mode()
+def test_the_record_says_when_comfyui_never_called_the_fast_path(patcher_extension):
+    model = _compile_node(FastPatcher(), "trace")
+    fast_path, (report,) = fast_path_of(model), keyed_wrappers(model, FAST_PATH_KEY)["sampler_sample"]
+
+    def record_of(sample):
+        run = SamplingRun("r", "cpu")
+        with run.memory_scope():
+            report(sample)
+        (record,) = run.optimizations
+        return record
+
+    skipped = record_of(lambda: None)  # a ComfyUI whose diffusion model runs no DIFFUSION_MODEL wrapper
+    assert skipped["short"].startswith("did nothing: ComfyUI never called the diffusion model through the fast path")
+    ran = record_of(lambda: fast_path(Executor(TinyUNet()), *unet_inputs(), None, None, {}))
+    assert "never called" not in ran["note"] and "never called" not in ran["short"]
+
+
 def _profiled_steps(fast_path, unet, steps):
     """The steps of a profiled run whose every step is one fast-path call."""
     run = SamplingRun("r", "cpu")
