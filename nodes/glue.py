@@ -323,7 +323,7 @@ def private_copy(model, convert: Callable[[torch.nn.Module], torch.nn.Module], n
     for name in DYNAMIC_VRAM_MODEL_STATE:
         copied.__dict__.pop(name, None)
     copied.diffusion_model = convert(source.diffusion_model)
-    copied.current_patcher = None
+    copied.current_patcher = copied.current_weight_patches_uuid = None  # a dynamic unload leaves the uuid set
     if hasattr(mm, "archive_model_dtypes"):
         mm.archive_model_dtypes(copied.diffusion_model)
     _mark_copy(copied, source)
@@ -469,8 +469,8 @@ DYNAMIC_VRAM, CLASSIC_MEMORY = "dynamic VRAM", "classic memory"
 
 def memory_mode(device) -> tuple[str | None, str]:
     """(mode, note): whether ComfyUI manages memory with 0.38's dynamic VRAM or classically in this
-    process, None where this ComfyUI has no dynamic VRAM; the note says where a server on this GPU
-    would run otherwise (the headless runner never starts dynamic VRAM, nor does ``--disable-dynamic-vram``)."""
+    process, None where this ComfyUI has no dynamic VRAM; the note says where a server on this GPU would
+    have it on (the headless runner never starts it, and ``--disable-dynamic-vram`` turns it off)."""
     import importlib.util
 
     memory_management = sys.modules.get("comfy.memory_management")

@@ -385,6 +385,7 @@ def test_private_copy_of_a_dynamically_loaded_model_takes_none_of_its_state(mode
     vbars, layer_slot = base.dynamic_vbars, base.diffusion_model[0]._v
     copied = glue.private_copy(patcher, _convert).model
     assert model_management.current_loaded_models == []
+    assert copied.current_weight_patches_uuid is None and base.current_weight_patches_uuid is not None, "a fresh model's state"
     assert copied.diffusion_model[1].weight.dtype == torch.bfloat16
     assert not any(hasattr(copied, name) for name in glue.DYNAMIC_VRAM_MODEL_STATE), "never the original's VRAM or pins"
     assert not any(hasattr(layer, name) for layer in copied.diffusion_model for name in glue.DYNAMIC_VRAM_LAYER_STATE), (
