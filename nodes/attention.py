@@ -8,6 +8,7 @@ on a clone. Calls that ask for what sdopt's backends do not take (a custom ``sca
 import torch
 
 from ..errors import Unavailable
+from ..measure.profiler import active_run
 from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
 from . import glue
 
@@ -101,7 +102,7 @@ class SDOptAttention:
         def report(delegated=False):
             if torch.compiler.is_compiling():  # decisions are filed by the eager first call of each shape
                 return
-            run = glue.active_run()
+            run = active_run()
             if delegated:
                 reported["delegated_in"] = run
             state = (run, len(attention.decisions), reported["delegated_in"] is run)
