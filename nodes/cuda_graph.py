@@ -28,7 +28,7 @@ class SDOptCUDAGraph:
         return {"required": {
             "model": glue.patched_input("MODEL"),
             "max_graphs": ("INT", {"default": 4, "min": 1, "max": 64, "tooltip": "Graphs kept (least recently used dropped first); each holds its own activations."}),
-            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a machine without CUDA: pass the model through with a note in the report, or stop with an error."}),
+            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a machine without CUDA, or where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model: pass the model through with a note in the report, or stop with an error."}),
         }}
 
     def patch(self, model, max_graphs, on_unavailable):

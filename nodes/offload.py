@@ -111,7 +111,7 @@ class SDOptOffload:
             "model": glue.patched_input("MODEL"),
             "mode": (list(MODES), {"default": "budget", "tooltip": "none: all weights resident; budget: at most budget_mb resident; sequential: stream every layer; unload_after: free VRAM when sampling ends."}),
             "budget_mb": ("INT", {"default": 1024, "min": 0, "max": 1 << 20, "tooltip": "budget mode: MiB of this model's weights that may stay in VRAM."}),
-            "on_unavailable": (["fallback", "error"], {"default": "fallback", "tooltip": "On a CPU there is nothing to offload: pass the model through with a note (fallback) or stop with an error."}),
+            "on_unavailable": (["fallback", "error"], {"default": "fallback", "tooltip": "On a CPU (nothing to offload), or where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model (ComfyUI keeps streaming it): pass the model through with a note (fallback) or stop with an error."}),
         }}
 
     def patch(self, model, mode, budget_mb, on_unavailable):

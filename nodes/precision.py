@@ -66,8 +66,9 @@ class SDOptPrecision:
                 "else fp32. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),
             "compute_dtype": ([DEFAULT, *COMPUTE_DTYPES, FP8_MATMUL], {"default": DEFAULT, "tooltip": (
                 "The dtype the UNet computes in. default: the new weight dtype where the device computes in it, "
-                "otherwise what the model computes in now. fp8_matmul (with weight_dtype fp8_e4m3fn, on GPUs of compute "
-                "capability 8.9+): Linear layers multiply in fp8 (torch._scaled_mm, activations scaled per call), the rest in bf16.")}),
+                "otherwise what the model computes in now. fp8_matmul (with weight_dtype fp8_e4m3fn, where torch._scaled_mm "
+                "runs: NVIDIA GPUs of compute capability 8.9+, and a CPU, to check numbers): Linear layers multiply in fp8 "
+                "(activations scaled per call), the rest in bf16 on CUDA (fp16 where bf16 does not run), fp32 elsewhere.")}),
             "tf32": ("BOOLEAN", {"default": False, "tooltip": "Allow TF32 matmuls and convolutions (CUDA, Ampere and newer) during sampling only."}),
             "channels_last": ("BOOLEAN", {"default": False, "tooltip": (
                 "Store the conv weights channels-last (NHWC) in a private copy, so convolutions run channels-last: "

@@ -47,7 +47,7 @@ class SDOptStepCache:
             "branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip": "deepcache: how many skip levels still run on a cached call, minus one: 0 runs only the outermost blocks (fastest)."}),
             "start": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls before this fraction of the schedule run the whole model."}),
             "end": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls from this fraction of the schedule on run the whole model."}),
-            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a model the mode does not fit: pass it through with a note in the report, or stop with an error."}),
+            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a model the mode does not fit, or (deepcache) where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model: pass it through with a note in the report, or stop with an error."}),
         }, "optional": {
             "threshold": ("FLOAT", {"default": 0.08, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
                 "first_block: the largest relative change between this call's first-block change and the last full call's "

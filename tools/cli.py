@@ -1,4 +1,4 @@
-"""Command line: ``python -m sdopt {make-model,run,serve,soak,bench,cache,doctor} ...``.
+"""Command line: ``python -m sdopt {make-model,make-lora,run,serve,soak,bench,plan,doctor,cache} ...``.
 
 Problems with the user's input are raised as ``UserError`` and printed as one line
 (``sdopt: error: ...``) with exit status 2, never as a traceback.
@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a ComfyUI workflow headless, with sdopt loaded, and profile it")
     run.add_argument("workflow", type=Path, help="workflow JSON, UI or API format")
     run.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
-    run.add_argument("--models", type=Path, help="extra folder searched for checkpoints (and models/<kind>/ under it)")
+    run.add_argument("--models", type=Path, help="extra folder searched for checkpoints (and <kind>/ under it, for each model kind)")
     run.add_argument(
         "--set",
         action="append",
@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="start ComfyUI with sdopt installed, on localhost")
     serve.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
-    serve.add_argument("--models", type=Path, required=True, help="folder whose checkpoints/ ComfyUI should offer")
+    serve.add_argument("--models", type=Path, required=True, help=(
+        "folder with checkpoints/; ComfyUI is offered it and every other sub-folder (text_encoders/, loras/, ...) under its own name"))
     serve.add_argument("--port", type=int, default=8188)
     serve.set_defaults(handler=_serve)
 
@@ -374,8 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
     speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=(
         f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {COMPILE_REGIONAL} (each repeated block compiled once), "
-        f"{CHANNELS_LAST}, the step cache rungs ({', '.join(CACHE_RUNGS)}), and diffusers and diffusers+compile "
-        "(diffusers' own UNet and pipeline on the same weights: fp16, SDPA, channels-last, torch.compile max-autotune)"))
+        f"{CHANNELS_LAST}, the step cache rungs ({', '.join(CACHE_RUNGS)}), fp8_matmul and fp8_matmul+compile+graph "
+        "(Precision's fp8 matmuls with fp8_e4m3fn weights, eager, and compiled and graphed), and diffusers and "
+        "diffusers+compile (diffusers' own UNet and pipeline on the same weights: fp16, SDPA, channels-last, torch.compile max-autotune)"))
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
     speed.add_argument("--profile", action="store_true",
                        help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels")
@@ -420,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     suite = bench_kinds.add_parser("suite", help=(
         "everything a GPU must show, phase by phase, each in its own process: tests/gpu, doctor, bench speed (SD1.5 ladder, "
-        "competitors, SDXL), attention, VAE with an injected OOM retry, resolutions under 8/4/2 GiB, offload"))
+        "competitors, SDXL), attention, VAE with an injected OOM retry, resolutions under 8/4/2 GiB, offload, step caches, "
+        "Flux under a 12 GiB cap, diffusers+compile"))
     suite.add_argument("--out", type=Path, required=True, help="folder for each phase's JSON, markdown section and plots, and suite.md")
     suite.add_argument("--phase", type=int, action="append", help="run only this phase (repeatable, run in the order given; --list shows them)")
     suite.add_argument("--model", help="the SD1.5 model of the speed, resolution and offload phases (default full; mini with --dry-run)")
