@@ -82,15 +82,20 @@ def offload_clone(model, config: OffloadConfig, requested: str, on_unavailable: 
     m, path_note, problem = glue.non_dynamic_clone(model)
     reason = glue.fall_back_or_raise(on_unavailable, problem, "leave the streaming to ComfyUI")
     if reason:
-        m = glue.patched_clone(model, NODE)
-        glue.record_model(m, NODE, requested, "no-op", f"{reason}; ComfyUI's dynamic VRAM streams it", f"does nothing: {reason}")
-        return m
+        return _passed_through(model, requested, f"{reason}; ComfyUI's dynamic VRAM streams it", f"does nothing: {reason}")
     return _held(m, config, requested, path_note)
 
 
 def _held(m, config: OffloadConfig, requested: str, path_note: str):
     glue.set_wrappers(m, NODE, offload_wrappers(config, requested, path_note))
     glue.record_model(m, NODE, requested, config.describe(), path_note)
+    return m
+
+
+def _passed_through(model, requested: str, note: str, short: str):
+    """A clone of ``model`` without this node's wrappers, recorded as doing nothing."""
+    m = glue.patched_clone(model, NODE)
+    glue.record_model(m, NODE, requested, "no-op", note, short)
     return m
 
 
@@ -123,6 +128,4 @@ class SDOptOffload:
             return (offload_clone(model, config, requested, on_unavailable),)
         # mode none asks for nothing, so it cannot fail
         reason = glue.fall_back_or_raise(on_unavailable if mode != "none" else "fallback", problem, "pass the model through")
-        m = glue.patched_clone(model, NODE)
-        glue.record_model(m, NODE, requested, "no-op", reason, f"does nothing: {reason}" if mode != "none" else "")
-        return (m,)
+        return (_passed_through(model, requested, reason, f"does nothing: {reason}" if mode != "none" else ""),)

@@ -95,9 +95,8 @@ class SDOptPrecision:
         computing = model.get_model_object("manual_cast_dtype") or stored
         plan = plan_precision(config, stored, computing, device)
         if plan.weight_dtype != stored or channels_last or plan.fp8_matmul:
-            if plan.weight_dtype != stored:
-                glue.refuse_quantized(model, "weight_dtype", "set it to auto or default (as loaded)")
-            glue.refuse_quantized(model, *(("compute_dtype", "pick another compute dtype") if plan.fp8_matmul else
+            glue.refuse_quantized(model, *(("weight_dtype", "set it to auto or default (as loaded)") if plan.weight_dtype != stored else
+                                           ("compute_dtype", "pick another compute dtype") if plan.fp8_matmul else
                                            ("channels_last", "turn it off")))
             unet = model.model.diffusion_model
             m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last, glue.DYNAMIC_VRAM_LAYER_STATE), notes)
