@@ -469,8 +469,8 @@ DYNAMIC_VRAM, CLASSIC_MEMORY = "dynamic VRAM", "classic memory"
 
 def memory_mode(device) -> tuple[str | None, str]:
     """(mode, note): whether ComfyUI manages memory with 0.38's dynamic VRAM or classically in this
-    process, None where this ComfyUI has no dynamic VRAM; the note says where a server on this GPU would
-    have it on (the headless runner never starts it, and ``--disable-dynamic-vram`` turns it off)."""
+    process, None where this ComfyUI has no dynamic VRAM; the note says where ComfyUI would start it on
+    this GPU by default and was told not to (``--disable-dynamic-vram``, sdopt's ``--memory-mode classic``)."""
     import importlib.util
 
     memory_management = sys.modules.get("comfy.memory_management")
@@ -479,9 +479,11 @@ def memory_mode(device) -> tuple[str | None, str]:
     if memory_management.aimdo_enabled:
         return DYNAMIC_VRAM, ""
     aimdo = sys.modules["comfy_aimdo"] is not None if "comfy_aimdo" in sys.modules else importlib.util.find_spec("comfy_aimdo") is not None
-    if torch.device(device).type == "cuda" and aimdo:
-        return CLASSIC_MEMORY, ("dynamic VRAM is off in this process, where a ComfyUI server on this GPU turns it on by "
-                                "default: these figures are classic memory management's")
+    cli_args = sys.modules.get("comfy.cli_args")
+    turned_off = getattr(getattr(cli_args, "args", None), "disable_dynamic_vram", False)
+    if torch.device(device).type == "cuda" and aimdo and turned_off:
+        return CLASSIC_MEMORY, ("dynamic VRAM turned off (--disable-dynamic-vram or --memory-mode classic), where ComfyUI "
+                                "turns it on by default on this GPU: these figures are classic memory management's")
     return CLASSIC_MEMORY, ""
 
 

@@ -6,6 +6,7 @@ Problems with the user's input are raised as ``UserError`` and printed as one li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from ..errors import UserError
 from .bench_speed import CACHE_RUNGS, CHANNELS_LAST, COMPILE_REGIONAL, RUNGS as SPEED_RUNGS
 from .bench_suite import SUITE_LIMIT_S
+from .memory_mode import ENVIRONMENT as MEMORY_MODE_ENVIRONMENT, MODES as MEMORY_MODES
 from ..families import MODEL_NAMES, resolve_model
 from .modelgen import CHECKPOINT_DTYPES, SIZES
 from .soak import DEFAULT_PROMPTS as SOAK_PROMPTS, DEFAULT_WARMUP as SOAK_WARMUP
@@ -434,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     suite.add_argument("--archive", type=Path, help="also keep a .tar.gz of --out, rewritten after each phase")
     suite.add_argument("--time-limit", type=float, default=SUITE_LIMIT_S, metavar="SECONDS", help=(
         "this run's limit (default the suite's 40 min): a phase that would pass it is skipped, the running one stopped at it"))
+    _add_memory_mode(suite)
     suite.add_argument("--list", action="store_true", help="print the plan (phases, planned minutes, what is skipped) and stop")
     suite.add_argument("--collect", action="store_true", help="only rebuild suite.md and suite.json from the phase files in --out")
     suite.set_defaults(handler=_bench_suite)
@@ -483,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_vram_cap(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vram-cap", metavar="SIZE", help=(
         "emulate a smaller GPU, e.g. 8GiB: PyTorch and ComfyUI's model loading keep within it (CUDA only; ignored on a CPU)"))
+    _add_memory_mode(parser)
+
+
+def _add_memory_mode(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--memory-mode", choices=MEMORY_MODES, help=(
+        "ComfyUI's memory management: auto (the default, or $SDOPT_MEMORY_MODE) starts ComfyUI 0.38's dynamic VRAM where "
+        "its server would (an NVIDIA GPU, comfy-aimdo installed); classic keeps it off; dynamic insists on it"))
 
 
 # The generated models ComfyUI loads (the tiny ones are for unit tests only).
@@ -504,11 +514,30 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@contextlib.contextmanager
+def _memory_mode_for_this_run(mode: str | None):
+    """``--memory-mode`` for this command and every process it starts (fresh-process benches, suite
+    phases), through the environment; restored after, so a caller's later commands keep their own."""
+    if mode is None:
+        yield
+        return
+    before = os.environ.get(MEMORY_MODE_ENVIRONMENT)
+    os.environ[MEMORY_MODE_ENVIRONMENT] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[MEMORY_MODE_ENVIRONMENT]
+        else:
+            os.environ[MEMORY_MODE_ENVIRONMENT] = before
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        status = args.handler(args)
+        with _memory_mode_for_this_run(getattr(args, "memory_mode", None)):
+            status = args.handler(args)
     except UserError as error:
         print(f"sdopt: error: {error}", file=sys.stderr)
         return 2

@@ -561,7 +561,8 @@ def comfyui_device() -> torch.device | None:
     return torch.device(model_management.get_torch_device()) if model_management is not None else None
 
 
-DYNAMIC_FIX = ("start ComfyUI with --disable-dynamic-vram for classic memory management; sdopt Compile, CUDA Graph and "
+DYNAMIC_FIX = ("start ComfyUI with --disable-dynamic-vram (sdopt run and the benches: --memory-mode classic) for classic "
+               "memory management; sdopt Compile, CUDA Graph and "
                "Offload already run on the model's non-dynamic delegate, and the profiler adds dynamic VRAM's memory to its peak")
 
 
@@ -591,7 +592,7 @@ def check_comfyui(ctx: Context) -> list[CheckRow]:
     elif ctx.device.type == "cuda" and info.aimdo_installed:
         mode = CheckRow("ComfyUI memory mode", mode_tried, WARN,
                         "this ComfyUI offers dynamic VRAM and comfy-aimdo is installed: a server (main.py) on this GPU turns it on by default; "
-                        "`python -m sdopt run` and the benches boot without it (classic)", DYNAMIC_FIX)
+                        "`python -m sdopt run` and the benches start it the same way (--memory-mode auto)", DYNAMIC_FIX)
     else:
         why = "no CUDA device" if ctx.device.type != "cuda" else "comfy-aimdo is not installed"
         mode = CheckRow("ComfyUI memory mode", mode_tried, OK, f"classic: this ComfyUI offers dynamic VRAM, which stays off here ({why})")

@@ -8,6 +8,10 @@ The runner stands in for ComfyUI's server: it receives the report node's ``sdopt
 event, as the browser does, and never builds a report of its own; it only adds a note to it when
 ``--vram-cap`` was in force.
 
+ComfyUI's memory mode is the one its own server would start on this machine (``--memory-mode auto``):
+ComfyUI 0.38's dynamic VRAM on an NVIDIA GPU where this ComfyUI offers it and comfy-aimdo is installed,
+classic memory management elsewhere; ``classic`` and ``dynamic`` choose (``memory_mode.py``).
+
 ``--vram-cap`` (``boot(..., vram_cap=...)``, applied right after ComfyUI boots, before any model
 loads) emulates a smaller GPU on a larger one: PyTorch's caching allocator may hold only
 ``cap / total`` of the device, and ComfyUI's ``get_free_memory`` answers for the capped device as a
@@ -36,6 +40,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..measure.report import Report
 from ..optim.memory_plan import parse_bytes
+from .memory_mode import AUTO, MemoryModeStart, requested_mode
 from .workflow import (
     apply_overrides,
     is_ui_format,
@@ -207,17 +212,20 @@ def _check_comfyui(path: Path | None) -> Path:
 class ComfyHost:
     """ComfyUI booted in this process, with its core nodes and sdopt registered."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, memory_mode: str = AUTO):
         self.path = path
         argv = sys.argv
         sys.path.insert(0, str(path))
         import torch
 
-        sys.argv = ["main.py"] + ([] if torch.cuda.is_available() else ["--cpu"])
+        cuda = torch.cuda.is_available()
+        sys.argv = ["main.py"] + ([] if cuda else ["--cpu"])
+        memory = MemoryModeStart(memory_mode, cuda)
         try:
             import comfy.options
 
             comfy.options.enable_args_parsing()
+            memory.load_library()
             # Before nodes, as in main.py: importing nodes puts comfy/ on sys.path, whose utils.py hides ComfyUI's utils/.
             import utils  # noqa: F401
 
@@ -227,6 +235,7 @@ class ComfyHost:
             import server
         finally:
             sys.argv = argv
+        self.memory_mode = memory.take_devices()
         self._execution, self._folder_paths, self._nodes = execution, folder_paths, nodes
         import comfy.utils
 
@@ -401,16 +410,22 @@ class ComfyHost:
 _host: ComfyHost | None = None
 
 
-def boot(comfyui: str | Path | None, vram_cap: int | None = None) -> ComfyHost:
+def boot(comfyui: str | Path | None, vram_cap: int | None = None, memory_mode: str | None = None) -> ComfyHost:
     """The process's ComfyUI host, booted on first use; one ComfyUI per process. ``vram_cap``
-    (bytes) caps its VRAM from now on, None lifts a cap; the cap's line goes to stderr."""
+    (bytes) caps its VRAM from now on, None lifts a cap; the cap's line goes to stderr. ``memory_mode``
+    (auto, dynamic or classic; default ``$SDOPT_MEMORY_MODE``, else auto) is the process's, chosen at
+    its first boot."""
     global _host
     path = _check_comfyui(Path(comfyui) if comfyui else None)
+    mode = requested_mode(memory_mode)
     if _host is None:
-        _host = ComfyHost(path)
+        _host = ComfyHost(path, mode)
         atexit.register(_host.release)  # atexit runs before the interpreter tears modules down
     elif _host.path != path:
         raise UserError(f"ComfyUI from {_host.path} is already loaded in this process; cannot switch to {path}")
+    elif mode != _host.memory_mode.requested:
+        raise UserError(f"ComfyUI is already loaded in this process with --memory-mode {_host.memory_mode.requested}; "
+                        f"--memory-mode {mode} needs a process of its own")
     cap = _host.set_vram_cap(vram_cap)
     if cap is not None:
         print(f"sdopt: {cap.note()}", file=sys.stderr)

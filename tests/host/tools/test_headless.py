@@ -1,6 +1,8 @@
 """``sdopt run`` in real ComfyUI: ``--vram-cap``'s line on stderr and in the report (on a GPU in
-force, on a CPU ignored without failing the run), a node's UserError as one line on stderr, and the
+force, on a CPU ignored without failing the run), the memory mode in the report and ``--memory-mode
+dynamic`` run or refused with its reason, a node's UserError as one line on stderr, and the
 host's ``release`` of every model a run left behind."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -33,6 +35,37 @@ def test_run_with_a_vram_cap_says_so_in_the_report(comfy_host, tmp_path, capsys,
     assert line in printed.out, "the profile table shows the report's notes"
     assert any(line in note for note in json.loads(report.read_text())["notes"])
     assert comfy_host.host.vram_cap_bytes == (2 * 2**30 if torch.cuda.is_available() else None)
+    mode = {None: None, False: "classic memory", True: "dynamic VRAM"}[comfy_host.host.memory_mode.dynamic]
+    assert json.loads(report.read_text())["memory_mode"] == mode, "the report names the mode the runner started"
+
+
+def _expected_refusal(comfyui) -> str | None:
+    """Why ``--memory-mode dynamic`` cannot start here, as the runner words it; None where it can."""
+    if "def enables_dynamic_vram" not in (comfyui / "comfy" / "cli_args.py").read_text():
+        return "this ComfyUI has no dynamic VRAM; use a ComfyUI that offers it"
+    if not torch.cuda.is_available():
+        return "there is no CUDA device, and dynamic VRAM manages GPU memory; run it on an NVIDIA GPU"
+    if importlib.util.find_spec("comfy_aimdo") is None:
+        return "comfy-aimdo is not installed; install comfy-aimdo"
+    return None
+
+
+def test_memory_mode_dynamic_runs_under_dynamic_vram_or_says_why_it_cannot(comfy_host, tmp_path):
+    report = tmp_path / "report.json"
+    command = [
+        sys.executable, "-m", "sdopt", "run", str(comfy_host.WORKFLOWS / "sd15_baseline.json"),
+        "--comfyui", str(comfy_host.host.path), "--models", str(comfy_host.models), "--out", str(tmp_path / "out"),
+        "--memory-mode", "dynamic", "--report-json", str(report), *(arg for setting in comfy_host.SMALL for arg in ("--set", setting)),
+    ]
+    done = subprocess.run(command, cwd=tmp_path, env=os.environ.copy(), capture_output=True, text=True, timeout=300)
+    refusal = _expected_refusal(comfy_host.host.path)
+    if refusal is None:
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert json.loads(report.read_text())["memory_mode"] == "dynamic VRAM"
+    else:
+        assert done.returncode == 2, done.stderr[-4000:]
+        assert "Traceback" not in done.stderr, done.stderr[-4000:]
+        assert f"sdopt: error: --memory-mode (or $SDOPT_MEMORY_MODE) dynamic: {refusal}" in done.stderr, done.stderr[-4000:]
 
 
 def test_a_mistake_found_while_running_is_one_line_without_a_traceback(comfy_host, tmp_path):

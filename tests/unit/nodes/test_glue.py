@@ -958,8 +958,12 @@ def test_memory_mode_names_dynamic_vram_and_when_a_server_would_differ(monkeypat
     assert glue.memory_mode("cuda:0") == (glue.DYNAMIC_VRAM, "")
     sys.modules["comfy.memory_management"].aimdo_enabled = False
     monkeypatch.setitem(sys.modules, "comfy_aimdo", types.ModuleType("comfy_aimdo"))
+    args = types.SimpleNamespace(disable_dynamic_vram=False)
+    monkeypatch.setitem(sys.modules, "comfy.cli_args", types.SimpleNamespace(args=args))
+    assert glue.memory_mode("cuda:0") == (glue.CLASSIC_MEMORY, ""), "off without being told: as a server here would be"
+    args.disable_dynamic_vram = True  # --disable-dynamic-vram, or the headless runner's --memory-mode classic
     mode, note = glue.memory_mode("cuda:0")
-    assert mode == glue.CLASSIC_MEMORY and note.startswith("dynamic VRAM is off in this process, where a ComfyUI server on this GPU")
+    assert mode == glue.CLASSIC_MEMORY and note.startswith("dynamic VRAM turned off (--disable-dynamic-vram or --memory-mode classic)")
     assert glue.memory_mode("cpu") == (glue.CLASSIC_MEMORY, ""), "no server turns it on for a CPU"
     monkeypatch.setitem(sys.modules, "comfy_aimdo", None)
     assert glue.memory_mode("cuda:0") == (glue.CLASSIC_MEMORY, ""), "nor without comfy-aimdo"

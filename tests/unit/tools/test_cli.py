@@ -1,5 +1,6 @@
 """CLI error paths: one line on stderr, exit status 2, no traceback, before ComfyUI is ever imported."""
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -94,3 +95,28 @@ def test_cache_rejects_extra_or_missing_arguments(capsys, argv):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2 and "usage:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("before", [None, "dynamic"])
+def test_memory_mode_reaches_the_run_and_its_processes_then_is_restored(monkeypatch, tmp_path, before):
+    """Benches start fresh processes (``--isolate``, suite phases); the mode travels in the environment,
+    for the command's duration only."""
+    from sdopt.tools import headless, memory_mode
+
+    if before is None:
+        monkeypatch.delenv(memory_mode.ENVIRONMENT, raising=False)
+    else:
+        monkeypatch.setenv(memory_mode.ENVIRONMENT, before)
+    seen = []
+
+    def run_workflow(*args, **kwargs):
+        seen.append(memory_mode.requested_mode())
+        raise headless.UserError("stop here")
+
+    monkeypatch.setattr(headless, "run_workflow", run_workflow)
+    workflow = tmp_path / "w.json"
+    workflow.write_text("{}")
+    assert main(["run", str(workflow), "--memory-mode", "classic"]) == 2
+    assert main(["run", str(workflow)]) == 2
+    assert seen == ["classic", before or "auto"]
+    assert os.environ.get(memory_mode.ENVIRONMENT) == before

@@ -60,6 +60,7 @@ def _fake_comfyui(monkeypatch, executor, loaded=True):
     comfy = module("comfy")
     comfy.__path__ = []
     comfy.options = module("comfy.options", enable_args_parsing=enable_args_parsing)
+    comfy.cli_args = module("comfy.cli_args", args=types.SimpleNamespace())  # a ComfyUI without dynamic VRAM
     comfy.utils = module("comfy.utils", set_progress_bar_enabled=lambda enabled: seen.__setitem__("console_bar", enabled))
     module("utils")
     module("execution", PromptExecutor=executor, CacheType=CacheType)
@@ -91,6 +92,7 @@ def test_host_passes_cache_args_where_the_executor_takes_them(monkeypatch, tmp_p
     assert sys.path[0] == str(tmp_path)
     assert seen["server"].PromptServer.instance is host._server, "the stand-in server is ComfyUI's server"
     assert seen["console_bar"] is sys.stderr.isatty(), "ComfyUI's console bar only on a terminal"
+    assert host.memory_mode.dynamic is None, "these fakes are a ComfyUI without dynamic VRAM"
 
 
 def test_host_refuses_a_comfyui_that_did_not_load_the_pack(monkeypatch, tmp_path):
