@@ -31,6 +31,10 @@ def markdown_table(headers: list[str], rows: list[list], right: set[int] = froze
     return ["| " + " | ".join(map(str, line)) + " |" for line in (headers, rule, *rows)]
 
 
+# Report.memory_mode: how ComfyUI managed memory in the process (None: a ComfyUI without dynamic VRAM).
+DYNAMIC_VRAM, CLASSIC_MEMORY = "dynamic VRAM", "classic memory"
+
+
 @dataclass
 class Report:
     device: str
@@ -93,9 +97,13 @@ class Report:
         return render_chart(self, path)
 
 
+def outside_allocator_suffix(outside_allocator: int | None) -> str:
+    """What a peak-memory cell adds for memory mapped past PyTorch's allocator (dynamic VRAM)."""
+    return f" + {format_mib(outside_allocator)} dynamic VRAM" if outside_allocator is not None else ""
+
+
 def _memory(bytes_: int | None, kind: str, outside_allocator: int | None = None) -> str:
-    outside = f" + {format_mib(outside_allocator)} dynamic VRAM" if outside_allocator is not None else ""
-    return f"{format_mib(bytes_)} ({MEMORY_LABELS.get(kind, kind)}){outside}"
+    return f"{format_mib(bytes_)} ({MEMORY_LABELS.get(kind, kind)}){outside_allocator_suffix(outside_allocator)}"
 
 
 def _steady(run: dict) -> str:

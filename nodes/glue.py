@@ -39,6 +39,7 @@ from ..errors import Unavailable, UserError
 from ..families import SD15, DiffusionCall, Family, family_of_config_class
 from ..measure.profiler import active_run
 from ..measure.record import record
+from ..measure.report import CLASSIC_MEMORY, DYNAMIC_VRAM
 from ..optim.heap_trim import trim_heap
 from .prompt_context import _filing_records
 
@@ -462,9 +463,6 @@ def comfyui_version() -> str | None:
     except ImportError:
         return None
     return __version__
-
-
-DYNAMIC_VRAM, CLASSIC_MEMORY = "dynamic VRAM", "classic memory"
 
 
 def memory_mode(device) -> tuple[str | None, str]:

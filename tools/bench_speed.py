@@ -49,7 +49,7 @@ import torch
 
 from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, format_mib
-from ..measure.report import markdown_table
+from ..measure.report import markdown_table, outside_allocator_suffix
 from ..measure.step_profile import profile_device
 from .bench_unet import checkpoint_path, load_checkpoint
 from .bench_vae import image_psnr
@@ -150,6 +150,8 @@ class SpeedRow:
     psnr_vs_eager_db: float | None = None  # the approximate rungs' (step caches) PSNR against their uncached twin
     inductor_start_up_s: float | None = None  # stock's row: the tiny compile run before the first compiling rung
     isolated: bool = False  # ran in a fresh process beside its own stock run, compiler caches empty (--isolate)
+    memory_mode: str | None = None  # Report.memory_mode of the process: dynamic VRAM, classic memory, None (no dynamic VRAM here)
+    peak_outside_allocator_bytes: int | None = None  # under dynamic VRAM: what aimdo mapped past PyTorch's allocator
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -410,6 +412,7 @@ def bench_speed(
         sampler_s = statistics.median(run["sampler_total_s"] for _, run in runs[name])
         eager, approximate = built[name].eager, built[name].approximate
         vs_eager = pixel_difference(images[name], images[eager]) if eager else (None, None)
+        outside = [run.get("peak_outside_allocator_bytes") for _, run in runs[name]]
         rows.append(SpeedRow(
             rung=name, nodes=built[name].nodes, steady_it_per_s=statistics.median(rates),
             speedup_median=statistics.median(speedups), speedup_min=min(speedups), speedup_max=max(speedups),
@@ -422,7 +425,8 @@ def bench_speed(
             eager_twin=eager, max_pixel_diff_vs_eager=vs_eager[0], mean_pixel_diff_vs_eager=vs_eager[1],
             within_tolerance=IMAGE_TOLERANCE.admits(*vs_eager) if eager and not approximate else None,
             psnr_vs_eager_db=image_psnr(images[name], images[eager]) if approximate else None,
-            inductor_start_up_s=start_up_s if name == STOCK else None,
+            inductor_start_up_s=start_up_s if name == STOCK else None, memory_mode=host.memory_mode.label,
+            peak_outside_allocator_bytes=max((b for b in outside if b is not None), default=None),
         ))
     return rows
 
@@ -480,7 +484,7 @@ def speed_table(rows: list[SpeedRow]) -> str:
     body = [
         [r.rung, f"{r.steady_it_per_s:.2f}", f"{r.speedup_median:.2f}x ({r.speedup_min:.2f}–{r.speedup_max:.2f})",
          f"{r.first_run_s:.1f}", f"{r.compile_s:.1f}", f"{r.sampler_s:.3f} + {r.decode_s:.3f}",
-         f"{format_mib(r.peak_memory_bytes)} {MEMORY_LABELS[r.memory_kind]}", f"{r.max_pixel_diff:.1f}", _vs_eager(r)]
+         _peak(r), f"{r.max_pixel_diff:.1f}", _vs_eager(r)]
         for r in rows
     ]
     notes = [f"- **{r.rung}** ({r.nodes}): {r.notes or 'stock ComfyUI'}" for r in rows]
@@ -494,7 +498,13 @@ def speed_table(rows: list[SpeedRow]) -> str:
     elif start_up:
         tolerance += (f" Before the first compiling rung a tiny compile took {start_up[0]:.1f} s, torch's per-process start-up: "
                       "no rung's compile time holds it (a later rung may still reuse kernels an earlier one compiled).")
-    return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7, 8}) + ["", *notes, "", tolerance])
+    modes = sorted({r.memory_mode for r in rows if r.memory_mode})
+    memory = [f"ComfyUI's memory management: {', '.join(modes)} (--memory-mode)."] if modes else []
+    return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7, 8}) + ["", *notes, "", tolerance, *memory])
+
+
+def _peak(row: SpeedRow) -> str:
+    return f"{format_mib(row.peak_memory_bytes)} {MEMORY_LABELS[row.memory_kind]}{outside_allocator_suffix(row.peak_outside_allocator_bytes)}"
 
 
 def _vs_eager(row: SpeedRow) -> str:

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import UserError
+from ..measure.report import CLASSIC_MEMORY, DYNAMIC_VRAM
 
 AUTO, DYNAMIC, CLASSIC = "auto", "dynamic", "classic"
 MODES = (AUTO, DYNAMIC, CLASSIC)
@@ -43,6 +44,11 @@ class MemoryMode:
     requested: str
     dynamic: bool | None
     why: str
+
+    @property
+    def label(self) -> str | None:
+        """As a report names it (``Report.memory_mode``)."""
+        return None if self.dynamic is None else DYNAMIC_VRAM if self.dynamic else CLASSIC_MEMORY
 
 
 class MemoryModeStart:

@@ -15,8 +15,10 @@ def rows(comfy_host):
                        rungs=["trace", "graph", "cache", "EasyCache"], progress=False, profile=True)
 
 
-def test_stock_first_then_the_rungs_each_measured_every_round(rows):
+def test_stock_first_then_the_rungs_each_measured_every_round(rows, comfy_host):
     assert [r.rung for r in rows] == ["stock", "trace", "graph", "cache", "EasyCache"]
+    assert {(r.memory_mode, r.peak_outside_allocator_bytes is None) for r in rows} == {
+        (comfy_host.host.memory_mode.label, not comfy_host.host.memory_mode.dynamic)}, "the process's memory mode, on every row"
     stock = rows[0]
     assert stock.speedup_median == stock.speedup_min == stock.speedup_max == 1.0 and stock.max_pixel_diff == 0
     for row in rows:

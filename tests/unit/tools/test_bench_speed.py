@@ -1,6 +1,7 @@
 """bench speed's image check: the difference of two images in levels of 0–255, and the tolerance
 a traced, compiled or graphed rung's image must keep to its eager twin's; the inductor warm-up
 before the first compiling rung; ``--isolate``'s one fresh process per rung."""
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,15 @@ def _row(rung: str, start_up_s=None) -> SpeedRow:
 def test_the_table_says_the_start_up_was_paid_before_the_rungs():
     assert "tiny compile took 2.4 s" in speed_table([_row("stock", 2.4), _row("compile")])
     assert "tiny compile" not in speed_table([_row("stock"), _row("graph")]), "no compiling rung, no warm-up"
+
+
+def test_the_table_names_the_memory_mode_and_what_dynamic_vram_mapped():
+    classic = speed_table([_row("stock")])
+    assert "memory management" not in classic, "a ComfyUI without dynamic VRAM has no mode to name"
+    dynamic = replace(_row("stock"), memory_mode="dynamic VRAM", peak_outside_allocator_bytes=3 * 2**20)
+    table = speed_table([dynamic])
+    assert "| 1.0 RAM + 3.0 dynamic VRAM |" in table
+    assert table.endswith("ComfyUI's memory management: dynamic VRAM (--memory-mode).")
 
 
 def _comfyui_tree(root: Path) -> Path:
