@@ -9,7 +9,7 @@ import torch
 
 from ..errors import Unavailable
 from ..measure.profiler import active_run
-from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
+from ..optim.attention import AUTO, AUTO_NOTE, attention_memory_is_linear, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
 from . import glue
 
 NODE = "SDOptAttention"
@@ -116,5 +116,6 @@ class SDOptAttention:
         transformer_options = dict(m.model_options.get("transformer_options", {}))
         transformer_options[OVERRIDE_KEY] = comfy_attention_override(attention, report, runs_low_precision(backend))
         m.model_options["transformer_options"] = transformer_options
+        glue.set_attention_memory_profile(m, attention_memory_is_linear(backend if backend in (AUTO, LOW_MEMORY) else active))
         glue.record_model(m, NODE, backend, active, note, shortfall(backend, active))
         return (m,)

@@ -63,6 +63,25 @@ def comfy_attention():
     return attention
 
 
+ATTENTION_MEMORY_KEY = "optimized_attention_memory_efficient"
+
+
+def set_attention_memory_profile(model, linear: bool | None) -> None:
+    """Tell ComfyUI's memory estimate how the attention ``model`` now runs needs memory: linear in the
+    tokens (True), quadratic (False), or as ComfyUI's own backend would (None: the key is dropped).
+    Newer ComfyUI sizes a sampling run's working memory from ``model_options[ATTENTION_MEMORY_KEY]``
+    (``estimate_memory`` passes it to ``BaseModel.memory_required(..., memory_efficient_attention=)``)
+    and, without it, from the backend ComfyUI itself selected, whose profile need not be the override's.
+    A ComfyUI whose ``memory_required`` takes no such argument gets nothing."""
+    base_model = getattr(sys.modules.get("comfy.model_base"), "BaseModel", None)
+    if base_model is None or "memory_efficient_attention" not in inspect.signature(base_model.memory_required).parameters:
+        return
+    if linear is None:
+        model.model_options.pop(ATTENTION_MEMORY_KEY, None)
+    else:
+        model.model_options[ATTENTION_MEMORY_KEY] = linear
+
+
 def free_for_work(device: torch.device, patcher=None) -> int:
     """Bytes a node may use on ``device`` now, as ComfyUI plans: what the device can still allocate,
     plus what ComfyUI 0.38's dynamic VRAM would hand back from streamed weights (``patcher``'s view of

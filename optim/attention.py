@@ -125,7 +125,9 @@ class Backend:
     """One registry entry. ``limits`` maps a device type (or ``ANY_DEVICE``) to what runs there;
     ``module``/``pip`` name an optional package; ``options`` name the ``AttentionConfig`` fields
     that are passed to ``fn`` as keyword arguments; ``low_precision``: it quantizes inside, so a
-    caller that asks for attention at its inputs' precision must not get it."""
+    caller that asks for attention at its inputs' precision must not get it; ``linear_memory``: it
+    never holds a query-by-key score matrix (fused kernels, slices and chunks within a budget), None
+    where that depends on the kernel PyTorch picks."""
 
     name: str
     fn: AttentionFn
@@ -135,6 +137,7 @@ class Backend:
     pip: str | None = None
     options: tuple[str, ...] = ()
     low_precision: bool = False
+    linear_memory: bool | None = True
 
     def check(
         self,
@@ -202,6 +205,15 @@ def runs_low_precision(selection: str) -> bool:
     """Whether ``selection`` names a backend that quantizes inside (``auto`` keeps only backends
     within the dtype's tolerance of naive)."""
     return selection in _REGISTRY and _REGISTRY[selection].low_precision
+
+
+def attention_memory_is_linear(selection: str) -> bool | None:
+    """Whether attention chosen as ``selection`` (``auto``, ``low_memory`` or the backend that runs)
+    keeps its memory linear in the tokens; None where it depends on the call: ``auto``'s per-shape
+    pick, plain sdpa's kernel."""
+    if selection == AUTO:
+        return None
+    return True if selection == LOW_MEMORY else get_backend(selection).linear_memory
 
 
 def backend_function(name: str, config: AttentionConfig | None = None) -> AttentionFn:
@@ -490,7 +502,7 @@ def _xformers_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torc
 _ALL_FLOAT = {ANY_DEVICE: Limits()}
 
 for _backend in (
-    Backend("sdpa", sdpa_attention, _ALL_FLOAT, "PyTorch scaled_dot_product_attention, kernel picked by PyTorch"),
+    Backend("sdpa", sdpa_attention, _ALL_FLOAT, "PyTorch scaled_dot_product_attention, kernel picked by PyTorch", linear_memory=None),
     Backend(
         "sdpa_flash",
         _forced_sdpa(SDPBackend.FLASH_ATTENTION),
@@ -503,7 +515,7 @@ for _backend in (
         {"cuda": Limits()},
         "SDPA forced to its memory-efficient kernel",
     ),
-    Backend("sdpa_math", _forced_sdpa(SDPBackend.MATH), _ALL_FLOAT, "SDPA forced to its math kernel"),
+    Backend("sdpa_math", _forced_sdpa(SDPBackend.MATH), _ALL_FLOAT, "SDPA forced to its math kernel", linear_memory=False),
     Backend(
         SDPA_FUSED,
         sdpa_fused_attention,
@@ -549,7 +561,7 @@ for _backend in (
         "query and key chunks with an online softmax",
         options=("memory_budget_bytes",),
     ),
-    Backend("naive", naive_attention, _ALL_FLOAT, "softmax(QK^T * scale) V, the reference"),
+    Backend("naive", naive_attention, _ALL_FLOAT, "softmax(QK^T * scale) V, the reference", linear_memory=False),
 ):
     register_backend(_backend)
 del _backend

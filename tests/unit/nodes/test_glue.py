@@ -1156,3 +1156,37 @@ def test_fall_back_or_raise_is_every_nodes_on_unavailable():
     with pytest.raises(UserError) as raised:
         glue.fall_back_or_raise("error", problem, "run eager")
     assert str(raised.value) == "mode: no GPU here; run it on a GPU (or set on_unavailable to fallback to run eager)"
+
+
+class BaseModel038:
+    """ComfyUI's BaseModel where ``estimate_memory`` passes the attention's memory profile."""
+
+    def memory_required(self, input_shape, cond_shapes={}, memory_efficient_attention=None):
+        return 0
+
+
+class BaseModel033:
+    def memory_required(self, input_shape, cond_shapes={}):
+        return 0
+
+
+@pytest.mark.parametrize(("backend", "profile"), [
+    ("sliced", True), ("sub_quadratic", True), ("low_memory", True), ("naive", False), ("sdpa_math", False),
+    ("auto", None), ("sdpa", None), ("sdpa_efficient", None),  # sdpa_efficient needs CUDA: it falls back to sdpa here
+])
+def test_attention_node_tells_comfyuis_memory_estimate_how_its_attention_grows(
+        comfy_attention, patcher_extension, monkeypatch, backend, profile):
+    comfy_attention.wrap_attn = object()
+    install(monkeypatch, "comfy.model_base", BaseModel=BaseModel038)
+    model = _attention_model()
+    model.model_options[glue.ATTENTION_MEMORY_KEY] = False  # an earlier node's override (ComfyUI's default profile)
+    (m,) = attention_node.SDOptAttention().patch(model, backend, "fallback", 0, 32)
+    assert m.model_options.get(glue.ATTENTION_MEMORY_KEY) is profile, "None: left to ComfyUI's own backend's profile"
+    assert model.model_options[glue.ATTENTION_MEMORY_KEY] is False, "the input model is unchanged"
+
+
+def test_an_older_comfyui_gets_no_memory_profile(comfy_attention, patcher_extension, monkeypatch):
+    comfy_attention.wrap_attn = object()
+    install(monkeypatch, "comfy.model_base", BaseModel=BaseModel033)
+    (m,) = attention_node.SDOptAttention().patch(_attention_model(), "sliced", "fallback", 0, 32)
+    assert glue.ATTENTION_MEMORY_KEY not in m.model_options
