@@ -6,7 +6,6 @@ run-to-run noise of cuDNN's algorithm choice (1e-3). Printed figures (``pytest -
 docs/benchmarks.md with the device name.
 """
 
-import pytest
 import torch
 
 MIB = 2**20

@@ -5,7 +5,6 @@ and reorders, so compiled output is held to 2e-2 of fp16 (about 10 ulp at the UN
 """
 import pytest
 import torch
-from diffusers import UNet2DConditionModel
 
 from sdopt.optim.compile import CompileConfig, compile_forward
 from sdopt.optim.cuda_graph import GraphedFunction
@@ -16,6 +15,7 @@ COMPILED = dict(rtol=2e-2, atol=2e-2)
 
 @pytest.fixture()
 def unet():
+    UNet2DConditionModel = pytest.importorskip("diffusers", reason="the tiny UNet is diffusers' (the .gpu bundle carries it)").UNet2DConditionModel
     torch.manual_seed(0)
     return UNet2DConditionModel(**{**diffusers_unet_config("tiny"), "sample_size": 8}).eval().cuda().half()
 
