@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from sdopt.families import UNET_PREFIX, VAE_PREFIX, family_of_config_class, resolve_model
+from sdopt.families import UNET_PREFIX, family_of_config_class, resolve_model
 from sdopt.tools.modelgen import write_lora
 
 # What ComfyUI builds but SD1.5 and SDXL files, real ones included, never carry, and so filters from

@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 WORKFLOW = "sdxl_lowvram.json"
 SDOPT_NODES = ("SDOptOffload", "SDOptLowMemory", "SDOptTiledVAE", "SDOptProfiler", "SDOptProfileReport")
