@@ -9,7 +9,7 @@ import torch
 
 from ..errors import Unavailable
 from ..measure.profiler import active_run
-from ..optim.attention import AUTO, AUTO_NOTE, attention_memory_is_linear, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
+from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, attention_memory_is_linear, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
 from . import glue
 
 NODE = "SDOptAttention"
