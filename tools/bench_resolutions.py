@@ -101,6 +101,7 @@ class ResolutionRow:
     offload_mb: int | None = OFFLOAD_BUDGET_MB  # the sdopt stack's Offload budget; 0: sequential; None: the planner's per cell
     low_memory: str = LOW_MEMORY_ALWAYS  # whether the sdopt stack wires Low Memory always or when needed
     notes: str = ""
+    memory_mode: str | None = None  # Report.memory_mode of the process (dynamic VRAM maps weights past --vram-cap)
 
     @property
     def predicted_fits(self) -> bool:
@@ -299,7 +300,7 @@ def resolution_rows(
         row = dict(size=size, stack=stack, predicted_peak_bytes=cell.peak_bytes, budget_bytes=budget, predicted_settings=cell.settings,
                    offload_mb=offload_mb, low_memory=low_memory,
                    model=path.stem, steps=steps, device=str(base.load_device), memory_kind=memory.kind,
-                   vram_cap_bytes=host.vram_cap_bytes)
+                   vram_cap_bytes=host.vram_cap_bytes, memory_mode=host.memory_mode.label)
         if not should_run(cell.peak_bytes, budget, confirm, on_gpu):
             why = "" if on_gpu or not confirm else "not confirmed: on a CPU, running out of memory can take the machine down"
             yield ResolutionRow(status=PREDICTED_OOM, notes=why, **row)
@@ -351,7 +352,8 @@ def resolutions_table(rows: list[ResolutionRow]) -> str:
         body.append(line)
     first = rows[0]
     cap = f", VRAM capped at {format_mib(first.vram_cap_bytes)} MiB" if first.vram_cap_bytes else ""
-    lines = [f"{first.model} on {first.device}, {first.steps} steps{cap}; time = sampler + VAE decode", ""]
+    mode = f" ({first.memory_mode})" if first.memory_mode else ""
+    lines = [f"{first.model} on {first.device}{mode}, {first.steps} steps{cap}; time = sampler + VAE decode", ""]
     lines += markdown_table(headers, body, right={1, 2, 4, 5, 6, 8, 9, 10})
     lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in stack_chains(first.offload_mb, first.low_memory).items())]
     ran = next((r for r in rows if r.stack == SDOPT and r.status == OK and r.notes), None)

@@ -136,6 +136,8 @@ def test_table_puts_stock_beside_sdopt_per_size_and_says_why_cells_did_not_run()
                         "| 9,000.0 > 8,192.0 | — |")
     assert "- sdopt at 1024 px: SDOptOffload: budget 1,024 MiB" in table
     assert "- sdopt at 2048 px: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB" in table
+    dynamic = bench.resolutions_table([replace(row, memory_mode="dynamic VRAM") for row in ROWS])
+    assert "sdopt-full-sd15 on cuda:0 (dynamic VRAM), 4 steps, VRAM capped" in dynamic
 
 
 def test_table_gives_both_stacks_against_the_uncapped_image_when_measured():
