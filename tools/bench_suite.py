@@ -313,9 +313,12 @@ def _write_whole(path: Path, text: str) -> None:
 
 
 def _device_text() -> str:
+    from .headless import memory_mode_text
+
+    memory = memory_mode_text()
     if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})"
-    return f"CPU, {os.cpu_count()} cores (torch {torch.__version__})"
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda}; {memory})"
+    return f"CPU, {os.cpu_count()} cores (torch {torch.__version__}; {memory})"
 
 
 # --- the phases, run in the child ----------------------------------------------------------------

@@ -432,6 +432,14 @@ def boot(comfyui: str | Path | None, vram_cap: int | None = None, memory_mode: s
     return _host
 
 
+def memory_mode_text() -> str:
+    """How this process's ComfyUI manages memory, for a bench's header: the mode that started, or
+    the one asked for where ComfyUI has not booted yet."""
+    if _host is None:
+        return f"--memory-mode {requested_mode()}"
+    return _host.memory_mode.label or "a ComfyUI without dynamic VRAM"
+
+
 def run_workflow(
     workflow_path: str | Path,
     comfyui: str | Path | None = None,

@@ -208,3 +208,16 @@ def test_a_cap_comfyui_cannot_plan_for_says_so():
 def test_a_cap_under_dynamic_vram_says_what_it_does_not_bound():
     cap = headless.VramCap(8 * GiB, "H100", 80 * GiB, dynamic_vram=True)
     assert cap.note().endswith("dynamic VRAM maps weights past PyTorch's allocator, and the cap does not bound those")
+
+
+def test_memory_mode_text_names_the_mode_that_started_or_the_one_asked_for(monkeypatch):
+    from sdopt.tools.memory_mode import ENVIRONMENT, MemoryMode
+
+    monkeypatch.setattr(headless, "_host", None)
+    monkeypatch.setenv(ENVIRONMENT, "classic")
+    assert headless.memory_mode_text() == "--memory-mode classic", "nothing booted yet"
+    host = types.SimpleNamespace(memory_mode=MemoryMode("auto", True, "on"))
+    monkeypatch.setattr(headless, "_host", host)
+    assert headless.memory_mode_text() == "dynamic VRAM"
+    host.memory_mode = MemoryMode("auto", None, "this ComfyUI has no dynamic VRAM")
+    assert headless.memory_mode_text() == "a ComfyUI without dynamic VRAM"
