@@ -185,7 +185,8 @@ def render_markdown(report: Report) -> str:
     if report.nodes:
         lines += ["", *markdown_table(
             ["node", "class", "seconds", "peak memory MiB"],
-            [[n["id"], n["class_type"], f"{n['seconds']:.3f}", format_mib(n["peak_memory_bytes"])] for n in report.nodes],
+            [[n["id"], n["class_type"], f"{n['seconds']:.3f}",
+              format_mib(n["peak_memory_bytes"]) + outside_allocator_suffix(n.get("peak_outside_allocator_bytes"))] for n in report.nodes],
             right={2, 3},
         )]
     return "\n".join(lines)

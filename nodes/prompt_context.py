@@ -83,11 +83,13 @@ def _progress():
 
 def _timing_handler_class(progress):
     class NodeTimingHandler(progress.ProgressHandler):
-        """Records each executed node's wall time and peak memory (cached nodes never start)."""
+        """Records each executed node's wall time and peak memory (cached nodes never start); under
+        dynamic VRAM also what comfy-aimdo mapped past PyTorch's allocator, read as the node starts and
+        finishes (weights a node faults in stay mapped until pressure evicts them)."""
 
-        def __init__(self, device):
+        def __init__(self, device, outside_allocator=None):
             super().__init__(HANDLER_NAME)
-            self.memory = PeakMemory(device)
+            self.memory = PeakMemory(device, outside_allocator)
             self._started: dict[str, float] = {}
             self._class_types: dict[str, str] = {}
             self.nodes: list[dict] = []
@@ -104,9 +106,9 @@ def _timing_handler_class(progress):
             started = self._started.pop(node_id, None)
             if started is not None:
                 seconds = time.perf_counter() - started
-                peak = self.memory.read().peak_bytes
-                self.nodes.append({"id": str(node_id), "class_type": self._class_types.get(node_id, "?"),
-                                   "seconds": seconds, "peak_memory_bytes": peak})
+                reading = self.memory.read()
+                self.nodes.append({"id": str(node_id), "class_type": self._class_types.get(node_id, "?"), "seconds": seconds,
+                                   "peak_memory_bytes": reading.peak_bytes, "peak_outside_allocator_bytes": reading.outside_allocator_bytes})
 
     return NodeTimingHandler
 
@@ -132,7 +134,10 @@ def install_node_timer(prompt_id: str, executing_node: str | None = None) -> boo
     if _timing_handler(prompt_id) is None:
         import comfy.model_management
 
-        handler = _timing_handler_class(progress)(comfy.model_management.get_torch_device())
+        from .glue import dynamic_vram_probe  # glue files records through this module
+
+        device = comfy.model_management.get_torch_device()
+        handler = _timing_handler_class(progress)(device, dynamic_vram_probe(device))
         progress.add_progress_handler(handler)
         if executing_node is not None:
             handler.start_handler(executing_node)

@@ -70,13 +70,18 @@ function viewUrl(file) {
   return api.apiURL(`/view?${query}`);
 }
 
+// What dynamic VRAM (comfy-aimdo) mapped past PyTorch's allocator, as the markdown table shows it.
+function outsideAllocator(entry) {
+  return entry.peak_outside_allocator_bytes == null ? "" : ` + ${mib(entry.peak_outside_allocator_bytes)} dynamic VRAM`;
+}
+
 function renderReport(data) {
   const report = data?.report;
   if (!report) return [h("p", { className: "sdopt-muted" }, "No profile yet: queue the prompt (with sdopt Profiler on the sampler's MODEL input).")];
   const runs = report.runs ?? [];
   const kind = MEMORY[runs[0]?.memory_kind] ?? (String(report.device).startsWith("cpu") ? "RAM" : "VRAM");
   const parts = [h("p", { className: "sdopt-muted" },
-    `device ${report.device} · torch ${report.torch} · ComfyUI ${report.comfyui ?? "?"}`)];
+    `device ${report.device} · torch ${report.torch} · ComfyUI ${report.comfyui ?? "?"}` + (report.memory_mode ? ` (${report.memory_mode})` : ""))];
   if (report.cached) parts.push(h("p", { className: "sdopt-cached" }, "Cached: ComfyUI reused the sampling result; these are the last real figures."));
   if (report.notes?.length) parts.push(h("ul", {}, report.notes.map((note) => h("li", {}, note))));
   if (runs.length) {
@@ -88,7 +93,7 @@ function renderReport(data) {
       ["warm-up steps", (r) => (r.steps ?? []).filter((s) => s.warmup && Object.keys(s.warmup).length)
         .map((s) => `${s.index}: ` + Object.entries(s.warmup).map(([kind, sec]) => `${kind} ${fixed(sec, 1)} s`).join(", ")).join("; ") || "–"],
       ["sampler total s", (r) => fixed(r.sampler_total_s, 3), true],
-      ["peak memory MiB", (r) => `${mib(r.peak_memory_bytes)} ${MEMORY[r.memory_kind] ?? r.memory_kind ?? ""}`, true],
+      ["peak memory MiB", (r) => `${mib(r.peak_memory_bytes)} ${MEMORY[r.memory_kind] ?? r.memory_kind ?? ""}${outsideAllocator(r)}`, true],
       ["model", (r) => r.model_family ?? "–"],
     ], runs));
   } else {
@@ -107,7 +112,7 @@ function renderReport(data) {
     parts.push(table("Nodes", [
       ["node", (n) => n.id], ["class", (n) => n.class_type],
       ["seconds", (n) => fixed(n.seconds, 3), true],
-      [`peak ${kind} MiB`, (n) => mib(n.peak_memory_bytes), true],
+      [`peak ${kind} MiB`, (n) => mib(n.peak_memory_bytes) + outsideAllocator(n), true],
     ], report.nodes));
   }
   const links = h("p", {});

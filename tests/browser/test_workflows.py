@@ -151,6 +151,34 @@ def test_baseline_run_shows_the_report_table_and_chart(comfy, comfy_server):
 
 
 @pytest.mark.skipif(not os.environ.get("SDOPT_WRITE_THUMBNAILS"), reason="set SDOPT_WRITE_THUMBNAILS=1 to rewrite workflows/*.jpg")
+def test_a_report_from_dynamic_vram_shows_the_mode_and_what_it_mapped(comfy):
+    """A report saved in a workflow (the node's property) as ComfyUI 0.38's dynamic VRAM writes it."""
+    gib = 2**30
+    report = {"report": {
+        "device": "cuda:0", "torch": "2.11.0", "comfyui": "0.38.0", "memory_mode": "dynamic VRAM",
+        "runs": [{"label": "fast", "steps": [], "first_step_s": 1.0, "steady_it_per_s": 2.0, "sampler_total_s": 3.0,
+                  "peak_memory_bytes": gib, "memory_kind": "vram_allocated", "peak_outside_allocator_bytes": 3 * gib // 2,
+                  "model_family": "SD1.5"}],
+        "nodes": [{"id": "3", "class_type": "KSampler", "seconds": 1.0, "peak_memory_bytes": gib, "peak_outside_allocator_bytes": gib // 2},
+                  {"id": "8", "class_type": "VAEDecode", "seconds": 0.5, "peak_memory_bytes": gib}],
+    }}
+    comfy.page.evaluate("""([type, data]) => {
+        const graph = app.rootGraph ?? app.graph;
+        graph.clear();
+        const node = LiteGraph.createNode(type);
+        node.properties.sdopt_report = data;
+        graph.add(node);
+        node.onConfigure({});
+        app.canvas.setDirty(true, true);
+    }""", [REPORT, report])
+    comfy.page.wait_for_selector(".sdopt-report table", state="attached", timeout=5_000)
+    tables = {t["caption"]: t for t in comfy.page.evaluate(TABLES)}
+    runs, nodes = tables["Sampling runs"], tables["Nodes"]
+    assert runs["rows"][0][runs["head"].index("peak memory MiB")] == "1,024.0 VRAM + 1,536.0 dynamic VRAM"
+    assert [row[3] for row in nodes["rows"]] == ["1,024.0 + 512.0 dynamic VRAM", "1,024.0"]
+    assert "ComfyUI 0.38.0 (dynamic VRAM)" in comfy.page.locator(".sdopt-report .sdopt-muted").first.text_content()
+
+
 def test_write_template_thumbnails(open_comfy, tmp_path):
     """The Templates dialog's thumbnails: each workflow as it opens, cropped to its nodes, without the UI."""
     from PIL import Image

@@ -203,6 +203,8 @@ def test_markdown_adds_dynamic_vram_beside_the_allocator_peak(report):
     fp16, baseline = ([line for line in lines if line.startswith(f"| {label} ") and "(RAM)" in line] for label in ("fp16", "baseline"))
     assert len(fp16) == 1 and fp16[0].split(" | ")[-2].endswith("(RAM) + 1,536.0 dynamic VRAM"), "the memory cell"
     assert len(baseline) == 1 and "dynamic VRAM" not in baseline[0]
+    report.nodes[0]["peak_outside_allocator_bytes"] = 512 * 2**20
+    assert "| 3 | KSampler | 1.500 | 10.0 + 512.0 dynamic VRAM |" in report.markdown()
 
 
 def _warmed_up_run(label: str, seconds: list[float], warmup: dict[int, dict[str, float]]) -> dict:

@@ -5,7 +5,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from sdopt.nodes import prompt_context
+from sdopt.nodes import glue, prompt_context
 
 from .comfy_fakes import PROMPT, install
 
@@ -77,6 +77,23 @@ def test_node_timer_times_the_executing_node_and_later_ones(progress):
     assert all(n["seconds"] >= 0 and n["peak_memory_bytes"] > 0 for n in timings)
     timings.clear()
     assert len(prompt_context.node_timings(PROMPT)) == 2, "callers get a copy"
+
+
+def test_node_timer_adds_what_dynamic_vram_mapped(progress, monkeypatch):
+    readings = iter(mib * 2**20 for mib in (1, 5, 3, 2))
+    monkeypatch.setattr(glue, "dynamic_vram_probe", lambda device: lambda: next(readings))
+    assert prompt_context.install_node_timer(PROMPT, "3") is True  # node 3 starts: 1 MiB mapped
+    handler = progress.handlers[prompt_context.HANDLER_NAME]
+    handler.finish_handler("3", None, PROMPT)  # 5 MiB
+    handler.start_handler("8", None, PROMPT)  # 3 MiB: each node's peak starts afresh
+    handler.finish_handler("8", None, PROMPT)  # 2 MiB
+    assert [n["peak_outside_allocator_bytes"] for n in prompt_context.node_timings(PROMPT)] == [5 * 2**20, 3 * 2**20]
+
+
+def test_node_timer_without_dynamic_vram_maps_nothing(progress):
+    prompt_context.install_node_timer(PROMPT, "3")
+    progress.handlers[prompt_context.HANDLER_NAME].finish_handler("3", None, PROMPT)
+    assert prompt_context.node_timings(PROMPT)[0]["peak_outside_allocator_bytes"] is None
 
 
 def test_node_timer_only_for_the_running_prompt(progress):
