@@ -150,7 +150,6 @@ def test_baseline_run_shows_the_report_table_and_chart(comfy, comfy_server):
     assert comfy.sdopt_messages() == [], f"frontend {comfy.frontend_version}"
 
 
-@pytest.mark.skipif(not os.environ.get("SDOPT_WRITE_THUMBNAILS"), reason="set SDOPT_WRITE_THUMBNAILS=1 to rewrite workflows/*.jpg")
 def test_a_report_from_dynamic_vram_shows_the_mode_and_what_it_mapped(comfy):
     """A report saved in a workflow (the node's property) as ComfyUI 0.38's dynamic VRAM writes it."""
     gib = 2**30
@@ -179,6 +178,7 @@ def test_a_report_from_dynamic_vram_shows_the_mode_and_what_it_mapped(comfy):
     assert "ComfyUI 0.38.0 (dynamic VRAM)" in comfy.page.locator(".sdopt-report .sdopt-muted").first.text_content()
 
 
+@pytest.mark.skipif(not os.environ.get("SDOPT_WRITE_THUMBNAILS"), reason="set SDOPT_WRITE_THUMBNAILS=1 to rewrite workflows/*.jpg")
 def test_write_template_thumbnails(open_comfy, tmp_path):
     """The Templates dialog's thumbnails: each workflow as it opens, cropped to its nodes, without the UI."""
     from PIL import Image
