@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..measure.report import markdown_table
+from .memory_mode import server_would_start
 
 OK, WARN, UNAVAILABLE, FAILED = "ok", "warn", "unavailable", "failed"
 STATUSES = (OK, WARN, UNAVAILABLE, FAILED)
@@ -75,7 +76,6 @@ class ComfyInfo:
     version: str | None = None
     missing_apis: tuple[str, ...] = ()
     dynamic_vram: bool | None = None
-    aimdo_installed: bool = False
     in_server: bool = False
     error: str = ""
 
@@ -521,8 +521,7 @@ def comfyui_info(path: str | Path | None, in_server: bool) -> ComfyInfo:
     memory_management = sys.modules.get("comfy.memory_management")
     dynamic = getattr(memory_management, "aimdo_enabled", None)
     version = _read_version(Path(path)) if path else None
-    return ComfyInfo(str(path) if path else None, version, tuple(missing), None if dynamic is None else bool(dynamic),
-                     importlib.util.find_spec("comfy_aimdo") is not None, in_server)
+    return ComfyInfo(str(path) if path else None, version, tuple(missing), None if dynamic is None else bool(dynamic), in_server)
 
 
 def load_comfyui(path: str | Path | None) -> ComfyInfo | None:
@@ -589,13 +588,14 @@ def check_comfyui(ctx: Context) -> list[CheckRow]:
     elif info.in_server:
         mode = CheckRow("ComfyUI memory mode", mode_tried, OK,
                         "classic: this ComfyUI offers dynamic VRAM, and it is off (a CPU, --disable-dynamic-vram, --highvram, --gpu-only, --novram or an older torch)")
-    elif ctx.device.type == "cuda" and info.aimdo_installed:
-        mode = CheckRow("ComfyUI memory mode", mode_tried, WARN,
-                        "this ComfyUI offers dynamic VRAM and comfy-aimdo is installed: a server (main.py) on this GPU turns it on by default; "
-                        "`python -m sdopt run` and the benches start it the same way (--memory-mode auto)", DYNAMIC_FIX)
     else:
-        why = "no CUDA device" if ctx.device.type != "cuda" else "comfy-aimdo is not installed"
-        mode = CheckRow("ComfyUI memory mode", mode_tried, OK, f"classic: this ComfyUI offers dynamic VRAM, which stays off here ({why})")
+        would_start, why = server_would_start(ctx.device.type == "cuda")
+        if would_start:
+            mode = CheckRow("ComfyUI memory mode", mode_tried, WARN,
+                            "this ComfyUI offers dynamic VRAM and comfy-aimdo is installed: a server (main.py) on this GPU turns it on by default; "
+                            "`python -m sdopt run` and the benches start it the same way (--memory-mode auto)", DYNAMIC_FIX)
+        else:
+            mode = CheckRow("ComfyUI memory mode", mode_tried, OK, f"classic: this ComfyUI offers dynamic VRAM, which stays off here ({why})")
     return [row, mode]
 
 

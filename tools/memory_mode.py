@@ -13,8 +13,10 @@ reason and a fix where it cannot start.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 from ..errors import UserError
@@ -26,6 +28,43 @@ ENVIRONMENT = "SDOPT_MEMORY_MODE"  # how the CLI's --memory-mode reaches the pro
 _OPTION = f"--memory-mode (or ${ENVIRONMENT})"
 _AIMDO_FIX = "install comfy-aimdo at the version in ComfyUI's requirements.txt"
 _CLASSIC_FIX = "leave --memory-mode at auto (or classic) to run with classic memory management"
+NOT_OFFERED = "this ComfyUI has no dynamic VRAM"
+NO_CUDA = "no CUDA device, where ComfyUI keeps dynamic VRAM off"
+NO_AIMDO = "comfy-aimdo is not installed"
+
+
+def _kept_off_by_settings(enables) -> str | None:
+    return None if enables() else "off by ComfyUI's settings (--highvram, --gpu-only or --novram)"
+
+
+def _kept_off_by_device(mm) -> str | None:
+    """Why ComfyUI's main.py would not start dynamic VRAM on this GPU by default (``mm``:
+    comfy.model_management); None where it would."""
+    amd_ready = bool(getattr(mm, "is_amd", lambda: False)()) and getattr(mm, "rocm_version", (0, 0)) >= (7, 14)
+    if not (mm.is_nvidia() or amd_ready):
+        return "this GPU is not one that ComfyUI manages with dynamic VRAM"
+    if getattr(mm, "torch_version_numeric", (2, 8)) < (2, 8):
+        return "PyTorch older than 2.8, where ComfyUI keeps dynamic VRAM off"
+    return None
+
+
+def _aimdo_installed() -> bool:
+    if "comfy_aimdo" in sys.modules:  # imported already (or blocked: None)
+        return sys.modules["comfy_aimdo"] is not None
+    return importlib.util.find_spec("comfy_aimdo") is not None
+
+
+def server_would_start(cuda: bool) -> tuple[bool | None, str]:
+    """With ComfyUI's ``cli_args`` and ``model_management`` imported but nothing started (``sdopt
+    doctor``): whether its server would start dynamic VRAM on this machine by default, and why not.
+    None where this ComfyUI has none; True where it would try (comfy-aimdo may still refuse the GPU)."""
+    enables = getattr(sys.modules.get("comfy.cli_args"), "enables_dynamic_vram", None)
+    if enables is None:
+        return None, NOT_OFFERED
+    why = (NO_CUDA if not cuda else _kept_off_by_settings(enables)
+           or (None if _aimdo_installed() else NO_AIMDO)
+           or _kept_off_by_device(sys.modules["comfy.model_management"]))
+    return why is None, why or ""
 
 
 def requested_mode(explicit: str | None = None) -> str:
@@ -72,8 +111,8 @@ class MemoryModeStart:
         enables = getattr(cli_args, "enables_dynamic_vram", None)
         if enables is None:
             if self.requested == DYNAMIC:
-                self._refuse("this ComfyUI has no dynamic VRAM", "use a ComfyUI that offers it, or " + _CLASSIC_FIX)
-            self.outcome = MemoryMode(self.requested, None, "this ComfyUI has no dynamic VRAM")
+                self._refuse(NOT_OFFERED, "use a ComfyUI that offers it, or " + _CLASSIC_FIX)
+            self.outcome = MemoryMode(self.requested, None, NOT_OFFERED)
             return
         args = cli_args.args
         if self.requested == CLASSIC:
@@ -84,19 +123,19 @@ class MemoryModeStart:
             if self.requested == DYNAMIC:
                 self._refuse("there is no CUDA device, and dynamic VRAM manages GPU memory",
                              "run it on an NVIDIA GPU, or " + _CLASSIC_FIX)
-            self._classic("no CUDA device, where ComfyUI keeps dynamic VRAM off")
+            self._classic(NO_CUDA)
             return
         if self.requested == DYNAMIC:
             args.enable_dynamic_vram = True
-        elif not enables():
-            self._classic("off by ComfyUI's settings (--highvram, --gpu-only or --novram)")
+        elif why := _kept_off_by_settings(enables):
+            self._classic(why)
             return
         try:
             control = importlib.import_module("comfy_aimdo.control")
         except ImportError:
             if self.requested == DYNAMIC:
-                self._refuse("comfy-aimdo is not installed", _AIMDO_FIX)
-            self._classic("comfy-aimdo is not installed")
+                self._refuse(NO_AIMDO, _AIMDO_FIX)
+            self._classic(NO_AIMDO)
             return
         headroom = None if getattr(args, "reserve_vram", None) is None else int(args.reserve_vram * 2**30)
         nvml = not getattr(args, "disable_nvml_pressure", False)
@@ -119,14 +158,9 @@ class MemoryModeStart:
         if self.outcome is not None:
             return self.outcome
         mm = importlib.import_module("comfy.model_management")
-        if self.requested == AUTO:
-            amd_ready = bool(getattr(mm, "is_amd", lambda: False)()) and getattr(mm, "rocm_version", (0, 0)) >= (7, 14)
-            if not (mm.is_nvidia() or amd_ready):
-                self._classic("this GPU is not one that ComfyUI manages with dynamic VRAM")
-                return self.outcome
-            if getattr(mm, "torch_version_numeric", (2, 8)) < (2, 8):
-                self._classic("PyTorch older than 2.8, where ComfyUI keeps dynamic VRAM off")
-                return self.outcome
+        if self.requested == AUTO and (why := _kept_off_by_device(mm)):
+            self._classic(why)
+            return self.outcome
         args = importlib.import_module("comfy.cli_args").args
         extra = int(getattr(args, "vram_headroom", 0) * 2**30)
         devices = list(mm.get_all_torch_devices())

@@ -316,6 +316,23 @@ def test_comfyui_038_with_dynamic_vram_off(monkeypatch, tmp_path):
     assert mode.status == OK and "offers dynamic VRAM, and it is off" in mode.result
 
 
+@pytest.mark.parametrize(("nvidia", "status", "says"), [
+    (True, WARN, "a server (main.py) on this GPU turns it on by default"),
+    (False, OK, "stays off here (this GPU is not one that ComfyUI manages with dynamic VRAM)"),
+])
+def test_comfyui_038_from_the_cli_says_what_a_server_would_do_on_this_gpu(monkeypatch, tmp_path, nvidia, status, says):
+    """The CLI imports ComfyUI without starting it: the row gives the start-up decision of ``sdopt run``."""
+    _fake_comfyui_038(monkeypatch, tmp_path, aimdo_enabled=False)
+    monkeypatch.setitem(sys.modules, "comfy.cli_args", types.SimpleNamespace(enables_dynamic_vram=lambda: True))
+    monkeypatch.setitem(sys.modules, "comfy.model_management", types.SimpleNamespace(is_nvidia=lambda: nvidia, torch_version_numeric=(2, 11)))
+    monkeypatch.setitem(sys.modules, "comfy_aimdo", types.ModuleType("comfy_aimdo"))
+    cuda = Context(torch.device("cuda", 0), doctor.comfyui_info(tmp_path, in_server=False))
+    mode = one(doctor.check_comfyui(cuda), "ComfyUI memory mode")
+    assert mode.status == status and says in mode.result
+    on_cpu = one(doctor.check_comfyui(ctx(doctor.comfyui_info(tmp_path, in_server=False))), "ComfyUI memory mode")
+    assert on_cpu.status == OK and "stays off here (no CUDA device" in on_cpu.result
+
+
 def test_comfyui_apis_missing_from_the_imported_modules(monkeypatch, tmp_path):
     _fake_comfyui_038(monkeypatch, tmp_path, aimdo_enabled=False)
     monkeypatch.setitem(sys.modules, "comfy.ldm.modules.attention", types.SimpleNamespace())
