@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--report-json", type=Path, help="write the JSON report here too")
     run.add_argument("--out", type=Path, help="output folder for images and reports (default: ComfyUI's output)")
-    _add_vram_cap(run)
+    _add_gpu_memory_options(run)
     run.set_defaults(handler=_run)
 
     serve = commands.add_parser("serve", help="start ComfyUI with sdopt installed, on localhost")
@@ -483,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_vram_cap(parser: argparse.ArgumentParser) -> None:
+def _add_gpu_memory_options(parser: argparse.ArgumentParser) -> None:
+    """--vram-cap and --memory-mode, for every command that boots ComfyUI to sample."""
     parser.add_argument("--vram-cap", metavar="SIZE", help=(
         "emulate a smaller GPU, e.g. 8GiB: PyTorch and ComfyUI's model loading keep within it (CUDA only; ignored on a CPU)"))
     _add_memory_mode(parser)
@@ -505,7 +506,7 @@ def _add_comfyui_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     parser.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
     parser.add_argument("--json", type=Path, help="write the rows as JSON")
-    _add_vram_cap(parser)
+    _add_gpu_memory_options(parser)
 
 
 def _cuda_available() -> bool:
