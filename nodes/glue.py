@@ -25,6 +25,7 @@ version string.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
 import sys
 import types
@@ -484,21 +485,26 @@ def comfyui_version() -> str | None:
     return __version__
 
 
+def aimdo_installed() -> bool:
+    """Whether comfy-aimdo (dynamic VRAM's allocator) can be imported here: imported already, blocked
+    (None in ``sys.modules``), or findable."""
+    if "comfy_aimdo" in sys.modules:
+        return sys.modules["comfy_aimdo"] is not None
+    return importlib.util.find_spec("comfy_aimdo") is not None
+
+
 def memory_mode(device) -> tuple[str | None, str]:
     """(mode, note): whether ComfyUI manages memory with 0.38's dynamic VRAM or classically in this
     process, None where this ComfyUI has no dynamic VRAM; the note says where ComfyUI would start it on
     this GPU by default and was told not to (``--disable-dynamic-vram``, sdopt's ``--memory-mode classic``)."""
-    import importlib.util
-
     memory_management = sys.modules.get("comfy.memory_management")
     if not hasattr(memory_management, "aimdo_enabled"):
         return None, ""
     if memory_management.aimdo_enabled:
         return DYNAMIC_VRAM, ""
-    aimdo = sys.modules["comfy_aimdo"] is not None if "comfy_aimdo" in sys.modules else importlib.util.find_spec("comfy_aimdo") is not None
     cli_args = sys.modules.get("comfy.cli_args")
     turned_off = getattr(getattr(cli_args, "args", None), "disable_dynamic_vram", False)
-    if torch.device(device).type == "cuda" and aimdo and turned_off:
+    if torch.device(device).type == "cuda" and turned_off and aimdo_installed():
         return CLASSIC_MEMORY, ("dynamic VRAM turned off (--disable-dynamic-vram or --memory-mode classic), where ComfyUI "
                                 "turns it on by default on this GPU: these figures are classic memory management's")
     return CLASSIC_MEMORY, ""

@@ -13,7 +13,6 @@ reason and a fix where it cannot start.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 import os
 import sys
@@ -48,21 +47,17 @@ def _kept_off_by_device(mm) -> str | None:
     return None
 
 
-def _aimdo_installed() -> bool:
-    if "comfy_aimdo" in sys.modules:  # imported already (or blocked: None)
-        return sys.modules["comfy_aimdo"] is not None
-    return importlib.util.find_spec("comfy_aimdo") is not None
-
-
 def server_would_start(cuda: bool) -> tuple[bool | None, str]:
     """With ComfyUI's ``cli_args`` and ``model_management`` imported but nothing started (``sdopt
     doctor``): whether its server would start dynamic VRAM on this machine by default, and why not.
     None where this ComfyUI has none; True where it would try (comfy-aimdo may still refuse the GPU)."""
+    from ..nodes.glue import aimdo_installed
+
     enables = getattr(sys.modules.get("comfy.cli_args"), "enables_dynamic_vram", None)
     if enables is None:
         return None, NOT_OFFERED
     why = (NO_CUDA if not cuda else _kept_off_by_settings(enables)
-           or (None if _aimdo_installed() else NO_AIMDO)
+           or (None if aimdo_installed() else NO_AIMDO)
            or _kept_off_by_device(sys.modules["comfy.model_management"]))
     return why is None, why or ""
 
