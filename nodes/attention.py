@@ -78,8 +78,8 @@ class SDOptAttention:
     DESCRIPTION = (
         "Runs the diffusion model's attention through an sdopt backend: sdpa (forced kernels too), xformers, sage, "
         "flash_attn, sliced, sub_quadratic, naive, low_memory (exact attention in the least memory), or auto (times "
-        "the available ones on the first call and keeps the fastest that matches naive). Returns a patched clone. A "
-        "backend that cannot run falls back with a note, or raises."
+        "the available exact ones on the first call and keeps the fastest that matches naive; sage, which quantizes, "
+        "only by name). Returns a patched clone. A backend that cannot run falls back with a note, or raises."
     )
     CATEGORY = "sdopt"
     RETURN_TYPES = ("MODEL",)

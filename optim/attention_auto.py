@@ -1,6 +1,6 @@
-"""Automatic attention selection: per input signature, time every available backend on the real
-inputs, turn down any whose output differs from ``naive`` beyond the dtype's tolerance, and keep
-the fastest. ``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
+"""Automatic attention selection: per input signature, time every available exact backend on the
+real inputs, turn down any whose output differs from ``naive`` beyond the dtype's tolerance, and keep
+the fastest (backends that quantize inside are never candidates: a user picks those by name). ``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
 from __future__ import annotations
 
 import math
@@ -27,6 +27,7 @@ from .attention import (
     _PerSignature,
     available,
     backend_names,
+    get_backend,
     naive_attention,
     sliced_slice_size,
 )
@@ -99,7 +100,7 @@ def time_attention(
 
 
 class AutoAttention(_PerSignature):
-    """Times every available backend on the first real inputs of each signature and keeps the
+    """Times every available exact backend on the first real inputs of each signature and keeps the
     fastest whose output matches ``naive`` within the dtype's tolerance.
 
     ``candidates`` defaults to every registered backend at the time of the decision.
@@ -120,6 +121,9 @@ class AutoAttention(_PerSignature):
         times: dict[str, float] = {}
         rejected: dict[str, str] = {}
         for name in self.candidates or backend_names():
+            if get_backend(name).low_precision:
+                rejected[name] = f"quantizes inside ({get_backend(name).description}); auto keeps exact backends, choose {name} by name to run it"
+                continue
             verdict = available(name, q, k, v, mask)
             if not verdict.ok:
                 rejected[name] = verdict.reason

@@ -95,7 +95,7 @@ def _bench_one(name, q, k, v, dtype_label, config, repeats) -> AttentionBenchRow
         return AttentionBenchRow(**base, status=STATUS_UNAVAILABLE, reason=verdict.reason)
     fn = backend_function(name, config)
     try:
-        check = check_against_naive(fn(q, k, v), q, k, v)  # also the warm-up call
+        check = check_against_naive(fn(q, k, v), q, k, v, tolerance=get_backend(name).tolerance(q.dtype))  # also the warm-up call
         peak, kind, note = peak_memory_delta(fn, q, k, v)
         times = time_attention(fn, q, k, v, None, repeats)
     except Exception as error:  # e.g. out of memory at a large token count: report it, go on

@@ -339,11 +339,10 @@ def _package_fix(backend) -> str:
 
 
 def check_attention(ctx: Context) -> list[CheckRow]:
-    from ..optim.attention import TOLERANCES, backend_names, get_backend
+    from ..optim.attention import backend_names, get_backend
 
     q, k, v = _attention_inputs(ctx.device)
     dtype_text = str(q.dtype).removeprefix("torch.")
-    tolerance = TOLERANCES[q.dtype]
     reference = _run_attention("naive", q, k, v)
     sdpa = _run_attention("sdpa", q, k, v)
     rows = []
@@ -369,14 +368,18 @@ def check_attention(ctx: Context) -> list[CheckRow]:
             continue
         expected = reference if name == "sdpa" else sdpa
         error = (out.float() - expected.float()).abs()
+        tolerance = backend.tolerance(q.dtype)
         within = bool((error <= tolerance.atol + tolerance.rtol * expected.float().abs()).all())
         result = f"max abs error {float(error.max()):.1e} against {against}"
-        if within:
+        if within and backend.low_precision:
+            rows.append(CheckRow(f"attention: {name}", tried, OK, result + f" (it quantizes inside by design: within its bound, "
+                                 f"{tolerance.describe()}; Attention's auto never picks it, choose {name} by name)"))
+        elif within:
             rows.append(CheckRow(f"attention: {name}", tried, OK, result + f" (within {tolerance.describe()})"))
         else:
             rows.append(CheckRow(f"attention: {name}", tried, WARN, result + f", beyond {tolerance.describe()}",
-                                 f"sdopt Attention's auto will not pick {name} here; choose another backend"
-                                 + (f", or update {backend.pip}" if backend.pip else "")))
+                                 ("" if backend.low_precision else f"sdopt Attention's auto will not pick {name} here; ")
+                                 + "choose another backend" + (f", or update {backend.pip}" if backend.pip else "")))
     return rows
 
 

@@ -346,6 +346,27 @@ def test_auto_picks_the_fastest_by_median(registered, monkeypatch):
     assert decision.picked == "spiky"
 
 
+def test_auto_never_picks_a_quantizing_backend_even_when_it_is_exact_and_fastest(registered, monkeypatch):
+    """The timings are stubbed: ``quantized`` is the fastest and its output is naive's, and it still
+    is no candidate."""
+    registered(Backend("quantized", naive_attention, {A.ANY_DEVICE: Limits()}, "8-bit QK stand-in", low_precision=True))
+    monkeypatch.setattr(attention_auto, "time_attention", lambda fn, *args, **kwargs: [0.1] if fn is naive_attention else [1.0])
+    attention = AutoAttention(candidates=("quantized", "sdpa"))
+    attention(*_qkv(1, 2, 8, 8, 16))
+    (decision,) = attention.decisions
+    assert decision.picked == "sdpa" and set(decision.times_s) == {"sdpa"}
+    assert decision.rejected["quantized"] == ("quantizes inside (8-bit QK stand-in); auto keeps exact backends, "
+                                              "choose quantized by name to run it")
+
+
+def test_a_quantizing_backend_is_held_to_bf16s_bound_where_its_dtype_is_tighter():
+    quantized = Backend("quantized", naive_attention, {A.ANY_DEVICE: Limits()}, low_precision=True)
+    exact = get_backend("sdpa")
+    assert quantized.tolerance(torch.float16) == A.TOLERANCE_BF16 and exact.tolerance(torch.float16) == A.TOLERANCE_FP16
+    assert quantized.tolerance(torch.bfloat16) == exact.tolerance(torch.bfloat16) == A.TOLERANCE_BF16
+    assert quantized.tolerance(torch.float32) == A.TOLERANCE_BF16 and exact.tolerance(torch.float32) == A.TOLERANCE_FP32
+
+
 def test_auto_decides_once_per_signature(registered):
     calls = []
     registered(_counting("counted", naive_attention, calls))

@@ -200,6 +200,24 @@ def test_a_backend_that_raises_or_differs_from_sdpa(extra_backend):
     assert_fix(rows["attention: off"], "auto will not pick off")
 
 
+def test_a_quantizing_backend_within_bf16s_bound_is_ok_and_beyond_it_warns(extra_backend):
+    """A stand-in for SageAttention: 8-bit QK errs about as bf16 does, past fp32's and fp16's bounds."""
+    def near(q, k, v, mask=None):
+        return sdpa_attention(q, k, v, mask) + 0.01
+
+    def far(q, k, v, mask=None):
+        return sdpa_attention(q, k, v, mask) + 0.1
+
+    extra_backend(Backend("near", near, {"*": Limits()}, low_precision=True, pip="near-attention"))
+    extra_backend(Backend("far", far, {"*": Limits()}, low_precision=True, pip="far-attention"))
+    rows = {r.check: r for r in doctor.check_attention(ctx())}
+    assert rows["attention: near"].status == OK, rows["attention: near"]
+    assert "quantizes inside by design" in rows["attention: near"].result and "auto never picks it" in rows["attention: near"].result
+    assert rows["attention: far"].status == WARN and "beyond atol 0.03 + rtol 0.03" in rows["attention: far"].result
+    assert_fix(rows["attention: far"], "choose another backend", "update far-attention")
+    assert "auto will not pick" not in rows["attention: far"].fix
+
+
 # --- inductor and CUDA graphs ------------------------------------------------------------------------------
 
 
