@@ -326,6 +326,11 @@ def copy_source(module: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     return source, ""
 
 
+def loaded_weight_dtype(model) -> torch.dtype:
+    """The diffusion model's weight dtype as ComfyUI loaded it: before any sdopt copy."""
+    return copy_source(model.model)[0].get_dtype()
+
+
 def _mark_copy(copied: torch.nn.Module, source: torch.nn.Module) -> None:
     _copied_from[copied] = weakref.ref(source)
 

@@ -63,7 +63,7 @@ class SDOptPrecision:
             "model": glue.patched_input("MODEL"),
             "weight_dtype": ([AUTO, DEFAULT, *WEIGHT_DTYPES], {"default": AUTO, "tooltip": (
                 "How the UNet weights are stored. auto: fp16 on CUDA (bf16 for a model that prefers it, such as Flux), on a CPU bf16 where it measured faster than fp32, "
-                "else fp32. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),
+                "else fp32; weights loaded narrower (fp8) stay as loaded and compute in that pick. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),
             "compute_dtype": ([DEFAULT, *COMPUTE_DTYPES, FP8_MATMUL], {"default": DEFAULT, "tooltip": (
                 "The dtype the UNet computes in. default: the new weight dtype where the device computes in it, "
                 "otherwise what the model computes in now. fp8_matmul (with weight_dtype fp8_e4m3fn, where torch._scaled_mm "
@@ -79,18 +79,25 @@ class SDOptPrecision:
         glue.check_inputs(SDOptPrecision, weight_dtype=weight_dtype, compute_dtype=compute_dtype, tf32=tf32, channels_last=channels_last)
         device = torch.device(model.load_device)
         notes = []
+        stored = model.model_dtype()
+        compute = None if compute_dtype == DEFAULT else compute_dtype
         if weight_dtype == AUTO and glue.is_quantized(model):
             weight = None
             notes.append("auto: weights kept as loaded: they are quantized, which ComfyUI runs natively, "
                          "and a converted copy would drop their scales")
         elif weight_dtype == AUTO:
             pick = pick_dtype(device, glue.inference_dtypes(model))
+            weight, loaded = dtype_name(pick.dtype), glue.loaded_weight_dtype(model)
+            if loaded.itemsize < pick.dtype.itemsize:
+                # Weights loaded narrower than the pick (fp8) were ComfyUI's or the user's choice for memory.
+                weight, compute = dtype_name(loaded), compute or weight
+                notes.append(f"auto: weights kept in {weight} as loaded, since a {dtype_name(pick.dtype)} copy would take "
+                             f"{pick.dtype.itemsize // loaded.itemsize}x their memory (set weight_dtype to {dtype_name(pick.dtype)} "
+                             f"to trade that memory for speed); computing in {compute}")
             notes.append(f"auto: {pick.reason}")
-            weight = dtype_name(pick.dtype)
         else:
             weight = None if weight_dtype == DEFAULT else weight_dtype
-        config = PrecisionConfig(weight, None if compute_dtype == DEFAULT else compute_dtype, tf32, channels_last)
-        stored = model.model_dtype()
+        config = PrecisionConfig(weight, compute, tf32, channels_last)
         convs = sum(p.ndim == 4 for p in model.model.diffusion_model.parameters())
         computing = model.get_model_object("manual_cast_dtype") or stored
         plan = plan_precision(config, stored, computing, device)

@@ -152,6 +152,32 @@ def test_flux_in_bf16_equals_comfyuis_own_bf16_bitwise_and_leaves_the_model_alon
     assert torch.equal(host.sample(model), reference), "the model the node was given must be unchanged"
 
 
+def test_auto_keeps_weights_loaded_in_fp8_and_computes_in_its_pick_also_after_another_precision_node(comfy_host, glue):
+    """A model ComfyUI loaded in fp8 (Load Diffusion Model's weight_dtype, or an fp8 checkpoint, which ComfyUI
+    keeps in fp8 where fp16 weights would not fit): auto's pick (bf16 or fp32 here) would double or quadruple
+    its weights, so it keeps them and only computes in the pick, exactly as ComfyUI's own compute dtype
+    setting does; after a bf16 Precision node it goes back to the fp8 weights as loaded."""
+    import comfy.sd
+
+    model = comfy.sd.load_checkpoint_guess_config(str(comfy_host.checkpoint), output_vae=False, output_clip=False,
+                                                  model_options={"dtype": torch.float8_e4m3fn})[0]
+    reference = comfy_host.sample(model)
+    node = comfy_host.nodes[NODE]()
+    (auto,) = node.patch(model, "auto", "default", False, False)
+    (record,) = precision_records(glue, auto)
+    pick = record["active"].split("compute=")[1]
+    assert auto.model is model.model, "no converted copy"
+    assert record["active"] == f"weight=fp8_e4m3fn, compute={pick}" and pick in ("bf16", "fp32")
+    assert f"auto: weights kept in fp8_e4m3fn as loaded, since a {pick} copy would take" in record["note"]
+    comfys_own = model.clone()
+    comfys_own.set_model_compute_dtype(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[pick]))
+    assert torch.equal(comfy_host.sample(auto), comfy_host.sample(comfys_own))
+    (chained,) = node.patch(node.patch(model, "bf16", "default", False, False)[0], "auto", "default", False, False)
+    assert stored_dtypes(chained.model.diffusion_model) == {torch.float8_e4m3fn}
+    assert torch.equal(comfy_host.sample(chained), comfy_host.sample(auto))
+    assert torch.equal(comfy_host.sample(model), reference), "the model the node was given must be unchanged"
+
+
 def test_auto_on_cuda_takes_the_half_dtype_the_models_comfyui_config_prefers(comfy_host, glue, monkeypatch):
     """Flux's config lists bf16 first (its activations overflow fp16 on trained weights), SD1.5's fp16;
     the node reads the list from the loaded model. CUDA's dtype support is faked: no GPU here."""
