@@ -7,7 +7,10 @@ competitor. ``compile-alone`` is SDOptCompile wired straight after the checkpoin
 first tries it, against stock as its eager twin. ``compile+graph+channels_last`` (by ``rungs`` only: it compiles anew) is compile + graph
 over Precision with channels-last conv weights. ``diffusers`` and ``diffusers+compile`` (by ``rungs``
 only) are what a user would pick instead: diffusers' own UNet and pipeline on the same checkpoint's
-weights, prompts and noise, with diffusers' speed recipe (``tools/diffusers_pipeline.py``). Each
+weights, prompts and noise, with diffusers' speed recipe (``tools/diffusers_pipeline.py``).
+``fp8_e4m3fn_fast`` (by ``rungs`` only) is ComfyUI's own fp8 fast path, the competitor of
+Precision's ``fp8_matmul``: the diffusion model loaded as Load Diffusion Model loads it with that
+weight dtype. Each
 ComfyUI rung is profiled by SDOptProfiler and sampled by ``common_ksampler``:
 
 1. a warm-up prompt per rung, whose extra time over its median steady prompt is its compile/capture
@@ -51,6 +54,7 @@ from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table, outside_allocator_suffix
 from ..measure.step_profile import profile_device
+from ..optim.precision import dtype_name
 from .bench_unet import checkpoint_path, load_checkpoint
 from .bench_vae import image_psnr
 from .fresh_process import run_in_fresh_process, serve_child
@@ -79,7 +83,12 @@ FP8_MATMUL_RUNG = "fp8_matmul"
 # across an e4m3 rounding boundary (a step of 6-12%), and random weights amplify each such flip (the SD3.5
 # mini at 256², 4 steps, on a CPU: 48.8 / 6.9 levels from eager fp8).
 FP8_COMPILED_RUNG = "fp8_matmul+compile+graph"
-OFFERED_RUNGS = RUNGS + (COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE, FP8_MATMUL_RUNG, FP8_COMPILED_RUNG) + CACHE_RUNGS
+# ComfyUI's own "fp8 fast", the competitor of fp8_matmul: the checkpoint's diffusion model loaded as Load
+# Diffusion Model's weight_dtype fp8_e4m3fn_fast loads it (fp8 weights, and fp8 matmuls where ComfyUI's
+# supports_fp8_compute says the device has them, activations clamped at ±448), against stock.
+COMFY_FP8_FAST = "fp8_e4m3fn_fast"
+OFFERED_RUNGS = RUNGS + (COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE, FP8_MATMUL_RUNG, FP8_COMPILED_RUNG,
+                         COMFY_FP8_FAST) + CACHE_RUNGS
 # The rungs that compile with inductor: before the first of them runs, a tiny compile pays torch's
 # per-process start-up (compile workers, precompiled header, imports), so no rung's compile time holds it.
 COMPILING_RUNGS = ("compile", "compile+graph", COMPILE_ALONE, COMPILE_REGIONAL, CHANNELS_LAST, "TorchCompileModel", DIFFUSERS_COMPILE,
@@ -120,6 +129,7 @@ class Rung:
     eager_model: object = None
     sample: object = None  # a DiffusersSampler that samples instead of ComfyUI's KSampler; model is then the ComfyUI model whose latent format it shares
     approximate: bool = False  # a step cache or fp8 matmuls: its image is compared with the eager twin's, not held to the tolerance
+    note: str = ""  # what ran, for a rung that no sdopt node records
 
 
 @dataclass
@@ -308,6 +318,22 @@ def _diffusers_rungs(base, path: Path, model: str, names: list[str]) -> dict[str
             for name, sampler in zip(names, samplers)}
 
 
+def _comfy_fp8_fast(base, path: Path) -> Rung:
+    """The checkpoint's diffusion model as ComfyUI's Load Diffusion Model loads it with weight_dtype
+    fp8_e4m3fn_fast, and whether ComfyUI's fp8 matmuls run on this device."""
+    import comfy.model_management
+    import comfy.sd
+
+    model = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn, "fp8_optimizations": True})
+    device = torch.device(base.load_device)
+    if comfy.model_management.supports_fp8_compute(device):
+        note = f"ComfyUI's fp8 matmuls (activations clamped at ±448), the rest in {dtype_name(model.model.manual_cast_dtype)}"
+    else:
+        note = (f"ComfyUI runs no fp8 matmul on {device} (its supports_fp8_compute says no): fp8 weights upcast per layer "
+                f"to {dtype_name(model.model.manual_cast_dtype or model.model_dtype())}")
+    return Rung(model, "Load Diffusion Model(fp8_e4m3fn_fast)", STOCK, base, approximate=True, note=note)
+
+
 def sample_rung(host, rung: Rung, label: str, latent: dict, conds, steps: int, spanned: bool = False):
     """``profiled_sample`` for a ComfyUI rung; for a diffusers rung, its pipeline on the same prompts'
     embeddings and KSampler's noise, the latent brought into ComfyUI's LATENT space by the model's latent
@@ -375,8 +401,10 @@ def bench_speed(
     base, clip, vae = load_checkpoint(path)
     conds = encode_prompts(clip, size)
     latent = empty_latent(base, size)
-    built = _sdopt_rungs(host, base, [n for n in names if n not in (DIFFUSERS, DIFFUSERS_COMPILE)])
+    built = _sdopt_rungs(host, base, [n for n in names if n not in (DIFFUSERS, DIFFUSERS_COMPILE, COMFY_FP8_FAST)])
     built.update(_diffusers_rungs(base, path, model, [n for n in names if n in (DIFFUSERS, DIFFUSERS_COMPILE)]))
+    if COMFY_FP8_FAST in names:
+        built[COMFY_FP8_FAST] = _comfy_fp8_fast(base, path)
     first, images, decode, runs = {}, {}, {}, {name: [] for name in names}
     twins = {rung.eager: rung.eager_model for rung in built.values() if rung.eager and rung.eager not in built}
     start_up_s = warm_inductor(torch.device(base.load_device)) if any(n in COMPILING_RUNGS for n in names) else None
@@ -420,7 +448,7 @@ def bench_speed(
             sampler_s=sampler_s, decode_s=decode[name], end_to_end_s=sampler_s + decode[name],
             peak_memory_bytes=max(run["peak_memory_bytes"] for _, run in runs[name]), memory_kind=last["memory_kind"],
             max_pixel_diff=pixel_difference(images[name], images[STOCK])[0], device=str(base.load_device),
-            notes=optimization_notes(last["optimizations"]), rounds_it_per_s=rates, vram_cap_bytes=host.vram_cap_bytes,
+            notes="; ".join(filter(None, (built[name].note, optimization_notes(last["optimizations"])))), rounds_it_per_s=rates, vram_cap_bytes=host.vram_cap_bytes,
             step_profile=profiles[name].to_dict() if name in profiles else None,
             eager_twin=eager, max_pixel_diff_vs_eager=vs_eager[0], mean_pixel_diff_vs_eager=vs_eager[1],
             within_tolerance=IMAGE_TOLERANCE.admits(*vs_eager) if eager and not approximate else None,

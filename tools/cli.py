@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=(
         f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {COMPILE_REGIONAL} (each repeated block compiled once), "
         f"{CHANNELS_LAST}, the step cache rungs ({', '.join(CACHE_RUNGS)}), fp8_matmul and fp8_matmul+compile+graph "
-        "(Precision's fp8 matmuls with fp8_e4m3fn weights, eager, and compiled and graphed), and diffusers and "
+        "(Precision's fp8 matmuls with fp8_e4m3fn weights, eager, and compiled and graphed), fp8_e4m3fn_fast (ComfyUI's own "
+        "fp8 fast path, as Load Diffusion Model loads it), and diffusers and "
         "diffusers+compile (diffusers' own UNet and pipeline on the same weights: fp16, SDPA, channels-last, torch.compile max-autotune)"))
     speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
     speed.add_argument("--profile", action="store_true",

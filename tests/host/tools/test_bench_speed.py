@@ -4,6 +4,7 @@ profiled prompt per rung, and the CLI's JSON, plot and traces; --isolate's rung 
 import json
 
 import pytest
+import torch
 
 from sdopt.tools.bench_speed import bench_speed, speed_table, step_profile_table
 from sdopt.tools.cli import main
@@ -95,3 +96,32 @@ def test_isolate_runs_the_rung_in_a_process_of_its_own(comfy_host):
                                 rungs=["precision"], progress=False)
     assert [(row.rung, row.isolated) for row in rows] == [("stock", True), ("precision", True)]
     assert rows[1].notes.startswith("SDOptPrecision") and rows[1].rounds_it_per_s
+
+
+def test_fp8_rungs_sdopts_matmuls_beside_comfyuis_own_fp8_fast(comfy_host, monkeypatch):
+    """SD3.5's mini (its blocks are Linear layers): Precision's fp8_matmul against its half-precision twin, and
+    ComfyUI's fp8_e4m3fn_fast loaded as Load Diffusion Model loads it, against stock; each row says what ran.
+    ComfyUI runs no fp8 matmul on a CPU, so its row says so; with its supports_fp8_compute faked to yes it
+    builds its fp8 layers, which is what a GPU of compute capability 8.9+ runs."""
+    import comfy.model_management
+    import comfy.ops
+
+    from sdopt.tools import bench_speed as bench
+
+    host = comfy_host.family("sd35")
+    rows = bench_speed(comfy_host.host.path, str(host.checkpoint), size=64, steps=2, rounds=1,
+                       rungs=["fp8_matmul", "fp8_e4m3fn_fast"], progress=False)
+    assert [r.rung for r in rows] == ["stock", "fp8_matmul", "fp8_e4m3fn_fast"]
+    fp8, comfys = rows[1:]
+    assert (fp8.eager_twin, comfys.eager_twin) == ("attention", "stock")
+    assert "through torch._scaled_mm" in fp8.notes and comfys.nodes == "Load Diffusion Model(fp8_e4m3fn_fast)"
+    assert comfys.notes == "ComfyUI runs no fp8 matmul on cpu (its supports_fp8_compute says no): fp8 weights upcast per layer to fp32"
+    for row in (fp8, comfys):
+        assert row.within_tolerance is None and row.psnr_vs_eager_db is not None and row.max_pixel_diff_vs_eager > 0
+
+    monkeypatch.setattr(comfy.model_management, "supports_fp8_compute", lambda device=None: True)
+    base = host.load_checkpoint()[0]
+    rung = bench._comfy_fp8_fast(base, host.checkpoint)
+    assert rung.note == "ComfyUI's fp8 matmuls (activations clamped at ±448), the rest in fp32"
+    linears = [m for m in rung.model.model.diffusion_model.modules() if isinstance(m, comfy.ops.manual_cast.Linear)]
+    assert linears and all(isinstance(m, comfy.ops.fp8_ops.Linear) and m.weight.dtype == torch.float8_e4m3fn for m in linears)
