@@ -32,6 +32,20 @@ def _streaming_note() -> str:
     return "ComfyUI's async offload is off (--disable-async-offload): each streamed layer is copied just before it runs"
 
 
+def _pinned_note(model) -> str:
+    """How much of ``model``'s streamed weights ComfyUI keeps in pinned (page-locked) host memory, where
+    its patcher says (``pinned``, ComfyUI 0.3.6x on): only copies from pinned memory overlap compute."""
+    keys = getattr(model, "pinned", None)
+    if keys is None:
+        return ""
+    sizes = {name: p.numel() * p.element_size() for name, p in model.model.named_parameters()}
+    pinned = sum(sizes.get(key, 0) for key in keys)
+    if not pinned:
+        return ("none of the streamed weights is in pinned host memory (ComfyUI's --disable-pinned-memory, or its "
+                "pinned-memory limit): copies from pageable RAM do not overlap compute")
+    return f"{pinned / MIB:,.1f} MiB of the streamed weights in ComfyUI's pinned host memory"
+
+
 def _unload(model) -> int:
     """Free ``model``'s weights from the device through ComfyUI's loaded-model list; the bytes freed."""
     mm = _model_management()
@@ -57,7 +71,7 @@ def offload_wrappers(config: OffloadConfig, requested: str, path_note: str) -> d
         elif residency.bytes_to_load:
             model.partially_load(model.load_device, residency.bytes_to_load)
         streamed = model.loaded_size() < model.model_size()
-        note = "; ".join(filter(None, [path_note, _streaming_note() if streamed else ""]))
+        note = "; ".join(filter(None, [path_note, *((_streaming_note(), _pinned_note(model)) if streamed else ())]))
         glue.record_in_run(NODE, requested, f"{config.describe()}: {residency_summary(model.loaded_size(), model.model_size())}", note)
         return prepared
 

@@ -132,6 +132,35 @@ def test_budget_frees_what_exceeds_it_and_says_how_it_streams(comfy):
     assert original.wrappers == {} and original.unloads == [], "the input model is untouched"
 
 
+class PinningPatcher(MemoryPatcher):
+    """A 0.3.6x+ patcher: the weights it pinned while it unloaded them (``pinned``, keys into its BaseModel)."""
+
+    def __init__(self, pins: list[str]):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.diffusion_model = torch.nn.Linear(256, 1024)  # weight 1 MiB, bias 4 KiB in fp32
+        self.pinned, self._pins = set(), pins
+
+    def partially_unload(self, device_to, memory_to_free=0):
+        self.pinned.update(self._pins)
+        return super().partially_unload(device_to, memory_to_free)
+
+
+@pytest.mark.parametrize("pins, says", [
+    (["diffusion_model.weight", "diffusion_model.bias"], "1.0 MiB of the streamed weights in ComfyUI's pinned host memory"),
+    ([], "none of the streamed weights is in pinned host memory (ComfyUI's --disable-pinned-memory, or its pinned-memory "
+         "limit): copies from pageable RAM do not overlap compute"),
+], ids=["pinned", "pageable"])
+def test_the_record_says_how_much_of_the_streamed_weights_comfyui_pinned(comfy, pins, says):
+    record, _ = _prepare(_node(PinningPatcher(pins), "sequential"), fits=MODEL_BYTES)
+    assert says in record["note"]
+
+
+def test_a_patcher_that_pins_nothing_of_its_own_adds_no_pinning_line(comfy):
+    record, _ = _prepare(_node(MemoryPatcher(), "sequential"), fits=MODEL_BYTES)
+    assert "pinned" not in record["note"]
+
+
 def test_budget_never_loads_more_than_comfyui_chose(comfy):
     model = _node(MemoryPatcher(), "budget", 1024)
     _prepare(model, fits=512 * MIB)
