@@ -84,8 +84,8 @@ def _progress():
 def _timing_handler_class(progress):
     class NodeTimingHandler(progress.ProgressHandler):
         """Records each executed node's wall time and peak memory (cached nodes never start); under
-        dynamic VRAM also what comfy-aimdo mapped past PyTorch's allocator, read as the node starts and
-        finishes (weights a node faults in stay mapped until pressure evicts them)."""
+        dynamic VRAM also what comfy-aimdo mapped past PyTorch's allocator, read as the node starts,
+        at each of its progress updates (a sampler's steps) and as it finishes."""
 
         def __init__(self, device, outside_allocator=None):
             super().__init__(HANDLER_NAME)
@@ -101,6 +101,9 @@ def _timing_handler_class(progress):
         def start_handler(self, node_id, state=None, prompt_id=None):
             self.memory.reset()
             self._started[node_id] = time.perf_counter()
+
+        def update_handler(self, node_id, value, max_value, state, prompt_id, image=None):
+            self.memory.sample()
 
         def finish_handler(self, node_id, state, prompt_id):
             started = self._started.pop(node_id, None)

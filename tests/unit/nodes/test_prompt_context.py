@@ -42,6 +42,9 @@ class ProgressHandler:
     def start_handler(self, node_id, state, prompt_id):
         pass
 
+    def update_handler(self, node_id, value, max_value, state, prompt_id, image=None):
+        pass
+
     def finish_handler(self, node_id, state, prompt_id):
         pass
 
@@ -88,6 +91,18 @@ def test_node_timer_adds_what_dynamic_vram_mapped(progress, monkeypatch):
     handler.start_handler("8", None, PROMPT)  # 3 MiB: each node's peak starts afresh
     handler.finish_handler("8", None, PROMPT)  # 2 MiB
     assert [n["peak_outside_allocator_bytes"] for n in prompt_context.node_timings(PROMPT)] == [5 * 2**20, 3 * 2**20]
+
+
+def test_node_timer_reads_dynamic_vram_at_each_progress_update_of_a_node(progress, monkeypatch):
+    """A sampler maps weights in and lets pressure evict them between its steps: its peak is one of the steps'."""
+    readings = iter(mib * 2**20 for mib in (1, 2, 9, 4, 3))
+    monkeypatch.setattr(glue, "dynamic_vram_probe", lambda device: lambda: next(readings))
+    prompt_context.install_node_timer(PROMPT, "3")  # 1 MiB as node 3 starts
+    handler = progress.handlers[prompt_context.HANDLER_NAME]
+    for step in (1, 2, 3):  # 2, 9, 4 MiB
+        handler.update_handler("3", step, 3, None, PROMPT)
+    handler.finish_handler("3", None, PROMPT)  # 3 MiB
+    assert prompt_context.node_timings(PROMPT)[0]["peak_outside_allocator_bytes"] == 9 * 2**20
 
 
 def test_node_timer_without_dynamic_vram_maps_nothing(progress):
