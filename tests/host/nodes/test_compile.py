@@ -12,7 +12,8 @@ Compile wired alone, on both families, routes attention through sdpa itself wher
 attention would split the compiled graph, and compiles once. SDXL's whole-UNet compile runs through
 aot_eager there (dynamo captures the UNet with SDXL's ``y`` input as on inductor, while inductor's code
 generation, whose numerics do not depend on the family and are held on SD1.5, took 13 minutes for the
-SDXL mini on this 2-core CPU), and its LoRA tests compile as a trace.
+SDXL mini on this 2-core CPU), and its LoRA tests compile as a trace. The SD3.5 mini loaded with fp8
+weights, as Flux usually runs, compiles regionally through inductor and follows a LoRA patched into them.
 """
 import functools
 
@@ -154,6 +155,27 @@ def test_a_lora_and_its_strength_changes_are_followed_without_recompiling(reques
         compilations = stats.compilations
     assert close(host.sample(patched), stock), "after the LoRA is gone, the compiled model uses the original weights"
     assert torch.equal(host.sample(loaded), stock), "the model the node was given must be unchanged"
+
+
+@torch.inference_mode()  # as ComfyUI runs a prompt: LoRA patches into fp8 weights refuse autograd
+def test_fp8_weights_as_comfyui_loads_them_compile_and_follow_a_lora(comfy_host, loras):
+    """SD3.5's mini loaded with fp8 e4m3 weights, as Load Diffusion Model's weight_dtype loads Flux on most cards:
+    regional compile through inductor computes what ComfyUI's fp8 model computes (the cast to the compute
+    dtype inside the compiled blocks), and follows a LoRA that ComfyUI patches into the fp8 weights."""
+    import comfy.sd
+
+    torch._dynamo.reset()
+    host = comfy_host.family("sd35")
+    fp8 = comfy.sd.load_checkpoint_guess_config(str(host.checkpoint), output_vae=False, output_clip=False,
+                                                model_options={"dtype": torch.float8_e4m3fn})[0]
+    stock = host.sample(fp8)
+    patched = compiled(comfy_host, fp8, "compile_regional")
+    assert close(host.sample(patched), stock)
+    for strength in (1.0, 0.5):
+        eager = host.sample(comfy_host.with_lora(fp8, loras("sd35"), strength))
+        assert not close(eager, stock), "the test LoRA must change the output"
+        assert close(host.sample(comfy_host.with_lora(patched, loras("sd35"), strength)), eager), f"strength {strength}"
+    assert torch.equal(host.sample(fp8), stock), "the model the node was given must be unchanged"
 
 
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
