@@ -87,12 +87,13 @@ class SDOptPrecision:
                          "and a converted copy would drop their scales")
         elif weight_dtype == AUTO:
             pick = pick_dtype(device, glue.inference_dtypes(model))
-            weight, loaded = dtype_name(pick.dtype), glue.loaded_weight_dtype(model)
+            picked, loaded = dtype_name(pick.dtype), glue.loaded_weight_dtype(model)
+            weight = picked
             if loaded.itemsize < pick.dtype.itemsize:
                 # Weights loaded narrower than the pick (fp8) were ComfyUI's or the user's choice for memory.
-                weight, compute = dtype_name(loaded), compute or weight
-                notes.append(f"auto: weights kept in {weight} as loaded, since a {dtype_name(pick.dtype)} copy would take "
-                             f"{pick.dtype.itemsize // loaded.itemsize}x their memory (set weight_dtype to {dtype_name(pick.dtype)} "
+                weight, compute = dtype_name(loaded), compute or picked
+                notes.append(f"auto: weights kept in {weight} as loaded, since a {picked} copy would take "
+                             f"{pick.dtype.itemsize // loaded.itemsize}x their memory (set weight_dtype to {picked} "
                              f"to trade that memory for speed); computing in {compute}")
             notes.append(f"auto: {pick.reason}")
         else:

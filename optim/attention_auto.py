@@ -1,6 +1,7 @@
 """Automatic attention selection: per input signature, time every available exact backend on the
 real inputs, turn down any whose output differs from ``naive`` beyond the dtype's tolerance, and keep
-the fastest (backends that quantize inside are never candidates: a user picks those by name). ``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
+the fastest (backends that quantize inside are never candidates: a user picks those by name).
+``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
 from __future__ import annotations
 
 import math
@@ -121,8 +122,9 @@ class AutoAttention(_PerSignature):
         times: dict[str, float] = {}
         rejected: dict[str, str] = {}
         for name in self.candidates or backend_names():
-            if get_backend(name).low_precision:
-                rejected[name] = f"quantizes inside ({get_backend(name).description}); auto keeps exact backends, choose {name} by name to run it"
+            backend = get_backend(name)
+            if backend.low_precision:
+                rejected[name] = f"quantizes inside ({backend.description}); auto keeps exact backends, choose {name} by name to run it"
                 continue
             verdict = available(name, q, k, v, mask)
             if not verdict.ok:

@@ -326,11 +326,11 @@ def _comfy_fp8_fast(base, path: Path) -> Rung:
 
     model = comfy.sd.load_diffusion_model(str(path), model_options={"dtype": torch.float8_e4m3fn, "fp8_optimizations": True})
     device = torch.device(base.load_device)
+    computes = dtype_name(model.model.manual_cast_dtype or model.model_dtype())
     if comfy.model_management.supports_fp8_compute(device):
-        note = f"ComfyUI's fp8 matmuls (activations clamped at ±448), the rest in {dtype_name(model.model.manual_cast_dtype)}"
+        note = f"ComfyUI's fp8 matmuls (activations clamped at ±448), the rest in {computes}"
     else:
-        note = (f"ComfyUI runs no fp8 matmul on {device} (its supports_fp8_compute says no): fp8 weights upcast per layer "
-                f"to {dtype_name(model.model.manual_cast_dtype or model.model_dtype())}")
+        note = f"ComfyUI runs no fp8 matmul on {device} (its supports_fp8_compute says no): fp8 weights upcast per layer to {computes}"
     return Rung(model, "Load Diffusion Model(fp8_e4m3fn_fast)", STOCK, base, approximate=True, note=note)
 
 
