@@ -15,6 +15,7 @@ import torch
 from ..errors import UserError
 from .attention import (
     AUTO,
+    _SCORE_COPIES,
     DEFAULT_MEMORY_BUDGET_BYTES,
     TOLERANCE_FP32,
     TOLERANCES,
@@ -32,8 +33,13 @@ from .attention import (
     naive_attention,
     sliced_slice_size,
 )
+from .tiled_vae import free_memory
 
 AUTO_REPEATS = 3
+# A backend that holds the whole query-by-key score matrix (naive, sdpa_math) is tried only where it takes
+# at most this share of what the device has free: at SD1.5's 1024² the first level's scores are 32 GiB in
+# fp32 with CFG, and auto's trial must never be what runs a machine out of memory.
+QUADRATIC_TRIAL_SHARE = 0.5
 
 # --- checking and timing -----------------------------------------------------------------------
 
@@ -100,6 +106,17 @@ def time_attention(
 
 
 
+def _scores_past_free_memory(q: torch.Tensor, k: torch.Tensor) -> str:
+    """Why a backend that holds the score matrix is not tried on these inputs, or "" where it fits."""
+    batch, heads, q_tokens, _ = q.shape
+    scores = _SCORE_COPIES * batch * heads * q_tokens * k.shape[2] * _compute_dtype(q.dtype).itemsize
+    free = free_memory(q.device)
+    if scores <= QUADRATIC_TRIAL_SHARE * free:
+        return ""
+    return (f"not tried: its query-by-key scores would take {scores / 2**20:,.1f} MiB, more than "
+            f"{QUADRATIC_TRIAL_SHARE:.0%} of the {free / 2**20:,.1f} MiB free on {q.device}")
+
+
 class AutoAttention(_PerSignature):
     """Times every available exact backend on the first real inputs of each signature and keeps the
     fastest whose output matches ``naive`` within the dtype's tolerance.
@@ -130,6 +147,11 @@ class AutoAttention(_PerSignature):
             if not verdict.ok:
                 rejected[name] = verdict.reason
                 continue
+            if backend.linear_memory is False:
+                too_big = _scores_past_free_memory(q, k)
+                if too_big:
+                    rejected[name] = too_big
+                    continue
             fn = self._function(name)
             try:
                 check = check_against_naive(fn(q, k, v, mask), q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes)

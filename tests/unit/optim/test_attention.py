@@ -359,6 +359,19 @@ def test_auto_never_picks_a_quantizing_backend_even_when_it_is_exact_and_fastest
                                               "choose quantized by name to run it")
 
 
+@pytest.mark.parametrize("free, tried", [(100_000, {"sdpa", "sub_quadratic"}), (10**9, {"naive", "sdpa_math", "sdpa", "sub_quadratic"})],
+                         ids=["scores-past-half-free", "scores-fit"])
+def test_auto_tries_a_backend_that_holds_the_scores_only_where_they_fit(monkeypatch, free, tried):
+    """q, k [1, 2, 64, 16] fp32: naive's and sdpa_math's scores and softmax take 2 x 2 x 64 x 64 x 4 = 65,536 bytes."""
+    monkeypatch.setattr(attention_auto, "free_memory", lambda device: free)
+    attention = AutoAttention(candidates=("naive", "sdpa_math", "sdpa", "sub_quadratic"))
+    attention(*_qkv(1, 2, 64, 64, 16))
+    (decision,) = attention.decisions
+    assert set(decision.times_s) == tried
+    for name in {"naive", "sdpa_math"} - tried:
+        assert decision.rejected[name] == "not tried: its query-by-key scores would take 0.1 MiB, more than 50% of the 0.1 MiB free on cpu"
+
+
 def test_a_quantizing_backend_is_held_to_bf16s_bound_where_its_dtype_is_tighter():
     quantized = Backend("quantized", naive_attention, {A.ANY_DEVICE: Limits()}, low_precision=True)
     exact = get_backend("sdpa")
