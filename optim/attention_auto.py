@@ -105,7 +105,6 @@ def time_attention(
     return seconds
 
 
-
 def _scores_past_free_memory(q: torch.Tensor, k: torch.Tensor) -> str:
     """Why a backend that holds the score matrix is not tried on these inputs, or "" where it fits."""
     batch, heads, q_tokens, _ = q.shape
