@@ -51,6 +51,29 @@ class ReferenceCheck:
     reason: str = ""
 
 
+def _row_blocks(q: torch.Tensor, k: torch.Tensor, memory_budget_bytes: int) -> list[slice]:
+    """Blocks of query rows whose scores fit ``memory_budget_bytes``."""
+    batch, heads, q_tokens, _ = q.shape
+    block = sliced_slice_size(batch * heads, k.shape[2], _compute_dtype(q.dtype).itemsize, memory_budget_bytes)
+    return [slice(i, i + block) for i in range(0, q_tokens, block)]
+
+
+def _naive_rows(q, k, v, mask, rows: slice) -> torch.Tensor:
+    return naive_attention(q[:, :, rows], k, v, None if mask is None else _mask_view(mask, queries=rows)).float()
+
+
+def naive_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+) -> torch.Tensor:
+    """``naive``'s output for these inputs in fp32, one block of query rows at a time so the full score
+    matrix never exists: computed once where several outputs are checked against it."""
+    return torch.cat([_naive_rows(q, k, v, mask, rows) for rows in _row_blocks(q, k, memory_budget_bytes)], dim=2)
+
+
 def check_against_naive(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -59,25 +82,24 @@ def check_against_naive(
     mask: torch.Tensor | None = None,
     tolerance: Tolerance | None = None,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    reference: torch.Tensor | None = None,
 ) -> ReferenceCheck:
     """Compare ``out`` with ``naive`` on every query row, one block of rows at a time so the
-    reference never holds the full score matrix. The tolerance defaults to the dtype's."""
+    reference never holds the full score matrix; ``reference``: ``naive_reference`` of these inputs,
+    where the caller already has it. The tolerance defaults to the dtype's."""
     tolerance = tolerance or TOLERANCES.get(q.dtype, TOLERANCE_FP32)
     expected = (*q.shape[:3], v.shape[-1])
     if tuple(out.shape) != expected:
         return ReferenceCheck(math.inf, False, f"output shape {list(out.shape)} instead of {list(expected)}")
-    batch, heads, q_tokens, _ = q.shape
-    block = sliced_slice_size(batch * heads, k.shape[2], _compute_dtype(q.dtype).itemsize, memory_budget_bytes)
     worst, within = 0.0, True
-    for i in range(0, q_tokens, block):
-        rows = slice(i, i + block)
-        reference = naive_attention(q[:, :, rows], k, v, None if mask is None else _mask_view(mask, queries=rows)).float()
+    for rows in _row_blocks(q, k, memory_budget_bytes):
+        reference_rows = _naive_rows(q, k, v, mask, rows) if reference is None else reference[:, :, rows]
         got = out[:, :, rows].float()
-        error = (got - reference).abs()
+        error = (got - reference_rows).abs()
         # NaN where the reference has NaN too (fully masked rows) is agreement; elsewhere it is wrong.
-        error = torch.where(reference.isnan() & got.isnan(), 0.0, error.nan_to_num(nan=math.inf))
+        error = torch.where(reference_rows.isnan() & got.isnan(), 0.0, error.nan_to_num(nan=math.inf))
         worst = max(worst, error.max().item())
-        within = within and bool((error <= tolerance.atol + tolerance.rtol * reference.abs().nan_to_num()).all())
+        within = within and bool((error <= tolerance.atol + tolerance.rtol * reference_rows.abs().nan_to_num()).all())
     if within:
         return ReferenceCheck(worst, True)
     return ReferenceCheck(
@@ -137,6 +159,7 @@ class AutoAttention(_PerSignature):
     def _decide(self, key, q, k, v, mask) -> AttentionDecision:
         times: dict[str, float] = {}
         rejected: dict[str, str] = {}
+        reference = None
         for name in self.candidates or backend_names():
             backend = get_backend(name)
             if backend.low_precision:
@@ -153,7 +176,10 @@ class AutoAttention(_PerSignature):
                     continue
             fn = self._function(name)
             try:
-                check = check_against_naive(fn(q, k, v, mask), q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes)
+                if reference is None:
+                    reference = naive_reference(q, k, v, mask, self.config.memory_budget_bytes)
+                check = check_against_naive(fn(q, k, v, mask), q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes,
+                                            reference=reference)
                 if not check.ok:
                     rejected[name] = check.reason
                     continue

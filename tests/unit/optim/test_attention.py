@@ -372,6 +372,18 @@ def test_auto_tries_a_backend_that_holds_the_scores_only_where_they_fit(monkeypa
         assert decision.rejected[name] == "not tried: its query-by-key scores would take 0.1 MiB, more than 50% of the 0.1 MiB free on cpu"
 
 
+def test_auto_computes_the_naive_reference_once_for_all_its_candidates(monkeypatch):
+    """naive's output is the costliest part of a decision on a CPU: one per signature, not one per candidate."""
+    references = []
+    real = attention_auto.naive_attention
+    monkeypatch.setattr(attention_auto, "naive_attention", lambda *args: references.append(1) or real(*args))
+    attention = AutoAttention(candidates=("sdpa", "sliced", "sub_quadratic"), repeats=1)
+    attention(*_qkv(1, 2, 64, 64, 16))
+    (decision,) = attention.decisions
+    assert set(decision.times_s) == {"sdpa", "sliced", "sub_quadratic"}
+    assert len(references) == 1, "one block of rows fits the budget, computed once"
+
+
 def test_a_quantizing_backend_is_held_to_bf16s_bound_where_its_dtype_is_tighter():
     quantized = Backend("quantized", naive_attention, {A.ANY_DEVICE: Limits()}, low_precision=True)
     exact = get_backend("sdpa")
