@@ -1,6 +1,8 @@
 """Automatic attention selection: per input signature, time every available exact backend on the
 real inputs, turn down any whose output differs from ``naive`` beyond the dtype's tolerance, and keep
-the fastest (backends that quantize inside are never candidates: a user picks those by name).
+the fastest (backends that quantize inside are never candidates: a user picks those by name; those that
+hold the whole score matrix only where it fits in half the device's free memory). Every candidate is
+checked against one ``naive_reference`` per signature.
 ``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
 from __future__ import annotations
 
