@@ -1,8 +1,10 @@
 """Automatic attention selection: per input signature, time every available exact backend on the
-real inputs, turn down any whose output differs from ``naive`` beyond the dtype's tolerance, and keep
-the fastest (backends that quantize inside are never candidates: a user picks those by name; those that
-hold the whole score matrix only where it fits in half the device's free memory). Every candidate is
-checked against one ``naive_reference`` per signature.
+real inputs (at most ``TRIAL_QUERY_ROWS`` of their query rows, every key), turn down any whose output
+differs from ``naive`` beyond the dtype's tolerance, and keep the fastest whose whole call, on those
+rows of its output, is within it too (backends that quantize inside are never candidates: a user
+picks those by name; those that hold the whole score matrix only where it fits in half the device's
+free memory, at the whole call's size). Every candidate is checked against one ``naive_reference``
+of the trial rows per signature.
 ``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
 from __future__ import annotations
 
@@ -42,6 +44,9 @@ AUTO_REPEATS = 3
 # at most this share of what the device has free: at SD1.5's 1024² the first level's scores are 32 GiB in
 # fp32 with CFG, and auto's trial must never be what runs a machine out of memory.
 QUADRATIC_TRIAL_SHARE = 0.5
+# Attention's cost grows with its query rows at a fixed key count, so a sample of the rows ranks the
+# backends at a fraction of the cost: at SD1.5's 1024² (16,384 rows) each trial costs a sixteenth.
+TRIAL_QUERY_ROWS = 1024
 
 # --- checking and timing -----------------------------------------------------------------------
 
@@ -140,9 +145,43 @@ def _scores_past_free_memory(q: torch.Tensor, k: torch.Tensor) -> str:
             f"{QUADRATIC_TRIAL_SHARE:.0%} of the {free / 2**20:,.1f} MiB free on {q.device}")
 
 
+@dataclass(frozen=True)
+class TrialRows:
+    """The query rows a decision times and checks its candidates on: every row up to ``TRIAL_QUERY_ROWS``,
+    past it an even stride through the whole sequence, so that every part of it (and of a mask) is
+    checked, with every key kept."""
+
+    total: int
+    stride: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor) -> TrialRows:
+        total = q.shape[2]
+        return cls(total, max(1, math.ceil(total / TRIAL_QUERY_ROWS)))
+
+    @property
+    def is_whole(self) -> bool:
+        return self.stride == 1
+
+    @property
+    def rows(self) -> slice:
+        return slice(None, None, self.stride)
+
+    @property
+    def count(self) -> int:
+        return math.ceil(self.total / self.stride)
+
+    def inputs(self, q: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The trial's queries (dense, as a backend is handed them in a real call) and its part of the mask."""
+        if self.is_whole:
+            return q, mask
+        return q[:, :, self.rows].contiguous(), None if mask is None else _mask_view(mask, queries=self.rows).contiguous()
+
+
 class AutoAttention(_PerSignature):
-    """Times every available exact backend on the first real inputs of each signature and keeps the
-    fastest whose output matches ``naive`` within the dtype's tolerance.
+    """Times every available exact backend on the first real inputs of each signature (``TrialRows``
+    of them) and keeps the fastest whose output matches ``naive`` within the dtype's tolerance, there
+    and on the same rows of its whole call.
 
     ``candidates`` defaults to every registered backend at the time of the decision.
     """
@@ -159,6 +198,8 @@ class AutoAttention(_PerSignature):
         self.repeats = repeats
 
     def _decide(self, key, q, k, v, mask) -> AttentionDecision:
+        trial = TrialRows.of(q)
+        q_trial, mask_trial = trial.inputs(q, mask)
         times: dict[str, float] = {}
         rejected: dict[str, str] = {}
         reference = None
@@ -179,27 +220,46 @@ class AutoAttention(_PerSignature):
             fn = self._function(name)
             try:
                 if reference is None:
-                    reference = naive_reference(q, k, v, mask, self.config.memory_budget_bytes)
-                check = check_against_naive(fn(q, k, v, mask), q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes,
-                                            reference=reference)
+                    reference = naive_reference(q_trial, k, v, mask_trial, self.config.memory_budget_bytes)
+                check = self._check(fn(q_trial, k, v, mask_trial), q_trial, k, v, mask_trial, reference)
                 if not check.ok:
                     rejected[name] = check.reason
                     continue
-                times[name] = statistics.median(time_attention(fn, q, k, v, mask, self.repeats))
+                times[name] = statistics.median(time_attention(fn, q_trial, k, v, mask_trial, self.repeats))
             except Exception as error:  # a backend that cannot run these inputs is turned down, not fatal
                 rejected[name] = f"failed: {type(error).__name__}: {_first_line(error)}"
-        if not times:
-            details = "; ".join(f"{name}: {reason}" for name, reason in rejected.items())
-            raise UserError(f"auto attention found no backend for {key} ({details})")
-        picked = min(times, key=times.__getitem__)
-        return AttentionDecision(key, AUTO, picked, _auto_note(key, picked, times), times, rejected)
+        for picked in sorted(times, key=times.__getitem__):
+            problem = "" if trial.is_whole else self._whole_call_problem(picked, q, k, v, mask, trial, q_trial, mask_trial, reference)
+            if not problem:
+                return AttentionDecision(key, AUTO, picked, _auto_note(key, picked, times, trial), times, rejected)
+            rejected[picked] = problem
+            del times[picked]
+        details = "; ".join(f"{name}: {reason}" for name, reason in rejected.items())
+        raise UserError(f"auto attention found no backend for {key} ({details})")
+
+    def _check(self, out, q, k, v, mask, reference) -> ReferenceCheck:
+        return check_against_naive(out, q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes, reference=reference)
+
+    def _whole_call_problem(self, name: str, q, k, v, mask, trial: TrialRows, q_trial, mask_trial, reference) -> str:
+        """Why the fastest backend on the trial rows cannot take the whole call, or "" where it can: its
+        kernel may differ at the whole size, so it runs once on every row and its trial rows are checked."""
+        try:
+            out = self._function(name)(q, k, v, mask)
+        except Exception as error:  # as in the trials: turned down, and the next fastest is tried
+            return f"failed on all {trial.total:,} query rows: {type(error).__name__}: {_first_line(error)}"
+        check = self._check(out[:, :, trial.rows], q_trial, k, v, mask_trial, reference)
+        return "" if check.ok else f"on all {trial.total:,} query rows: {check.reason}"
 
 
-def _auto_note(key: str, picked: str, times: dict[str, float]) -> str:
+def _auto_note(key: str, picked: str, times: dict[str, float], trial: TrialRows) -> str:
     ranked = sorted(times.items(), key=lambda item: item[1])
     others = ", ".join(f"{name} {seconds * 1e3:.3g}" for name, seconds in ranked if name != picked)
     note = f"{key}: {picked} {times[picked] * 1e3:.3g} ms"
-    return f"{note} (then {others})" if others else note
+    if others:
+        note += f" (then {others})"
+    if not trial.is_whole:
+        note += f", timed on {trial.count:,} of its {trial.total:,} query rows"
+    return note
 
 
 def _first_line(error: BaseException) -> str:

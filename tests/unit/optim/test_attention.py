@@ -384,6 +384,68 @@ def test_auto_computes_the_naive_reference_once_for_all_its_candidates(monkeypat
     assert len(references) == 1, "one block of rows fits the budget, computed once"
 
 
+def _rows_seen(name, fn, seen):
+    """A backend that records how many query rows each call hands it."""
+    def recorded(q, k, v, mask=None):
+        seen.append(q.shape[2])
+        return fn(q, k, v, mask)
+
+    return Backend(name, recorded, {A.ANY_DEVICE: Limits()})
+
+
+def test_auto_times_a_long_sequence_on_rows_through_all_of_it_and_runs_its_pick_once_whole(registered, monkeypatch):
+    """Past TRIAL_QUERY_ROWS each trial takes an even stride of the rows (all of the mask's part for
+    them), and only the pick runs on every row before the decision stands."""
+    monkeypatch.setattr(attention_auto, "TRIAL_QUERY_ROWS", 16)
+    seen = []
+    registered(_rows_seen("recorded", naive_attention, seen))
+    q, k, v = _qkv(1, 2, 64, 40, 16)
+    mask = torch.randn(64, 40)
+    attention = AutoAttention(candidates=("recorded",), repeats=2)
+    out = attention(q, k, v, mask)
+    assert seen == [16, 16, 16, 64, 64], "check and two timed calls on 16 rows, the whole call's check, the call"
+    (decision,) = attention.decisions
+    assert decision.note.endswith("timed on 16 of its 64 query rows")
+    assert torch.allclose(out, naive_attention(q, k, v, mask))
+
+
+def test_auto_turns_down_a_pick_that_is_right_on_the_trial_rows_only(registered, monkeypatch):
+    """A kernel may change with the size: the fastest on the trial rows that fails on the whole call,
+    or raises there, is turned down with the reason and the next fastest is picked."""
+    monkeypatch.setattr(attention_auto, "TRIAL_QUERY_ROWS", 16)
+
+    def wrong_when_long(q, k, v, mask=None):
+        out = naive_attention(q, k, v, mask)
+        return out if q.shape[2] <= 16 else out + 1
+
+    def raises_when_long(q, k, v, mask=None):
+        if q.shape[2] > 16:
+            raise RuntimeError("no kernel for this size")
+        return naive_attention(q, k, v, mask)
+
+    registered(Backend("wrong_when_long", wrong_when_long, {A.ANY_DEVICE: Limits()}))
+    registered(Backend("raises_when_long", raises_when_long, {A.ANY_DEVICE: Limits()}))
+    monkeypatch.setattr(attention_auto, "time_attention", lambda fn, *args, **kwargs: {
+        "wrong_when_long": [1.0], "raises_when_long": [2.0]}.get(fn.__name__, [3.0]))
+    attention = AutoAttention(candidates=("wrong_when_long", "raises_when_long", "naive"))
+    q, k, v = _qkv(1, 2, 64, 40, 16)
+    out = attention(q, k, v)
+    (decision,) = attention.decisions
+    assert decision.picked == "naive" and set(decision.times_s) == {"naive"}
+    assert decision.rejected["wrong_when_long"].startswith("on all 64 query rows: max abs error 1.00e+00 vs naive exceeds")
+    assert decision.rejected["raises_when_long"] == "failed on all 64 query rows: RuntimeError: no kernel for this size"
+    assert torch.equal(out, naive_attention(q, k, v))
+
+
+def test_auto_short_sequences_are_timed_whole_and_not_run_twice(registered):
+    seen = []
+    registered(_rows_seen("recorded", naive_attention, seen))
+    attention = AutoAttention(candidates=("recorded",), repeats=1)
+    attention(*_qkv(1, 2, attention_auto.TRIAL_QUERY_ROWS, 40, 16))
+    assert seen == [attention_auto.TRIAL_QUERY_ROWS] * 3, "the check, one timed call, the call"
+    assert "timed on" not in attention.decisions[0].note
+
+
 def test_a_quantizing_backend_is_held_to_bf16s_bound_where_its_dtype_is_tighter():
     quantized = Backend("quantized", naive_attention, {A.ANY_DEVICE: Limits()}, low_precision=True)
     exact = get_backend("sdpa")
