@@ -213,8 +213,11 @@ class Family:
     those of its token-wise feed-forwards (Low Memory slices them over tokens; an attribute name such as
     ``img_mlp`` where their class is generic). ``block_groups`` are a transformer's chains of blocks in
     the order its forward runs them, each as (ComfyUI's ``dit`` block-patch name, the attribute that
-    holds them): First Block Cache's unit. ``clip_type`` is
-    the ``CLIPLoader`` type that loads a size's ``separate_text_encoders``.
+    holds them): First Block Cache's unit. ``block_position_options`` are the ``transformer_options``
+    keys that ComfyUI sets per block (its place in the model, or what one block leaves for the next)
+    and that the blocks read only to look up patches keyed by place (a UNet's SpatialTransformer);
+    regional compile leaves them out where no such patch is set, so alike blocks share one compiled
+    entry. ``clip_type`` is the ``CLIPLoader`` type that loads a size's ``separate_text_encoders``.
     """
 
     name: str
@@ -227,6 +230,7 @@ class Family:
     repeated_blocks: tuple[str, ...] = ("ResBlock", "SpatialTransformer", "Downsample", "Upsample")
     feedforward_modules: tuple[str, ...] = ("FeedForward",)
     block_groups: tuple[tuple[str, str], ...] = ()
+    block_position_options: tuple[str, ...] = ("block", "block_index", "transformer_index", "activations_shape")
     bare_sizes: bool = False
     clip_type: str = "stable_diffusion"
 

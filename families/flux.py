@@ -52,6 +52,8 @@ FLUX = Family(
                        vector_parts=(("pooled text", CLIP_L.hidden_size),)),
     repeated_blocks=("DoubleStreamBlock", "SingleStreamBlock"),
     block_groups=(("double_block", "double_blocks"), ("single_block", "single_blocks")),
+    # its blocks never read their place: ComfyUI's options reach them as they are
+    block_position_options=(),
     # The double blocks' MLPs (nn.Sequential, so by attribute name); a single block fuses its MLP
     # with attention's projections, so it has none to slice apart.
     feedforward_modules=("img_mlp", "txt_mlp"),

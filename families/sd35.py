@@ -62,5 +62,7 @@ SD35 = Family(
     vae_layout="ldm_autoencoder_kl",
     repeated_blocks=("JointBlock",),
     block_groups=(("double_block", "joint_blocks"),),
+    # its blocks never read their place: ComfyUI's options reach them as they are
+    block_position_options=(),
     feedforward_modules=("Mlp",),
 )

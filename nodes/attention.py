@@ -14,6 +14,9 @@ from . import glue
 
 NODE = "SDOptAttention"
 OVERRIDE_KEY = "optimized_attention_override"
+# True on the overrides this pack sets: they never read a block's place from ComfyUI's options, so
+# regional compile may leave it out (an override from elsewhere might)
+POSITION_BLIND = "sdopt_position_blind"
 NO_OVERRIDE = Unavailable("this ComfyUI has no per-model attention override (needs 0.3.60 or newer)", "update ComfyUI", "backend")
 DELEGATED = ("calls with a custom scale, grouped-query attention, a request for full-precision attention (from a low-precision "
              "backend) or inputs no sdopt backend takes ran ComfyUI's own function")
@@ -71,6 +74,7 @@ def comfy_attention_override(attention, report, low_precision: bool = False):
         report()
         return out
 
+    setattr(override, POSITION_BLIND, True)
     return override
 
 

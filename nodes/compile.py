@@ -89,7 +89,7 @@ class SDOptCompile:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": glue.patched_input("MODEL"),
-            "mode": (list(MODES), {"default": "compile", "tooltip": "compile: whole UNet. compile_regional: each repeated block class, once per weight shape and block position; on SD1.5 it compiles more (14 compilations, longer than the whole UNet) and recompiles per resolution; it pays off where repeated blocks share one shape. trace: torch.jit.trace per resolution."}),
+            "mode": (list(MODES), {"default": "compile", "tooltip": "compile: whole UNet. compile_regional: each repeated block class, once per weight shape (and per block position where a patch or another pack's attention override reads it); on SD1.5 it compiles more (11 compilations, a little longer than the whole UNet) and recompiles per resolution; it pays off where repeated blocks share one shape. trace: torch.jit.trace per resolution."}),
             "backend": (list(BACKENDS), {"default": "inductor", "tooltip": "torch.compile backend (compile modes only)."}),
             "compile_mode": (list(COMPILE_MODES), {"default": "default", "tooltip": "inductor mode. Prefer default or max-autotune-no-cudagraphs with sdopt CUDA Graph: reduce-overhead makes its own graphs."}),
             "dynamic": ("BOOLEAN", {"default": False, "tooltip": "Dynamic shapes: one compile for all resolutions, slower code."}),

@@ -8,6 +8,7 @@ what those nodes call; ``ComfyUNetBlocks`` shows ComfyUI's UNetModel to the step
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ..errors import Unavailable
-from ..families import DiffusionCall
+from ..families import DiffusionCall, Family
 from ..measure.profiler import active_run
 from .glue import (ModelFamily, fall_back_or_raise, model_family, non_dynamic_clone, record_in_run, record_model, set_wrappers,
                    wrapper_types)
@@ -133,6 +134,24 @@ def _identity(option) -> tuple | int:
     if isinstance(option, dict):
         return tuple((name, tuple(map(id, patches.values()))) for name, patches in option.items())
     return id(option)
+
+
+def _without(keys: frozenset, options: dict) -> dict:
+    return options if keys.isdisjoint(options) else {name: value for name, value in options.items() if name not in keys}
+
+
+def positionless_block_options(family: Family | None, options: dict) -> Callable[[dict], dict] | None:
+    """What regional compile hands each block for its options: ComfyUI's without the keys that say
+    the block's place (``Family.block_position_options``), where nothing in the call reads them: no
+    patch keyed by place, and no attention override but sdopt's. None (as ComfyUI gives them) elsewhere,
+    and for a model of a family sdopt does not know, whose blocks may read them."""
+    from .attention import OVERRIDE_KEY, POSITION_BLIND
+
+    keys = frozenset(family.block_position_options if family is not None else ())
+    override = options.get(OVERRIDE_KEY)
+    if not keys or options.get("patches_replace") or (override is not None and not getattr(override, POSITION_BLIND, False)):
+        return None
+    return functools.partial(_without, keys)
 
 
 def _only_block_cache_patches(transformer_options: dict) -> bool:
@@ -260,6 +279,8 @@ class FastPath:
             call = functools.partial(forward, options, self.step_cache_config.branch)
         fn, parts, cache = functools.partial(call, unet), {}, None
         for name, config in self.configs.items():
+            if name == COMPILE and config.mode == "compile_regional":
+                config = dataclasses.replace(config, block_options=positionless_block_options(self.family.family, options))
             if name in _WRAPPERS:
                 fn, parts[name], entry = _WRAPPERS[name](self, unet, fn, call, config)
                 cache = entry or cache

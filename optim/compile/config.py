@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,10 @@ class CompileConfig:
     freeze: bool = False
     max_traces: int = 4
     block_classes: tuple[str, ...] = ()  # compile_regional's blocks, by class name (the model family's repeated blocks)
+    # compile_regional: what each dict a block is handed (its options) becomes before the compiled block sees
+    # it; a host leaves out what differs from block to block and the blocks do not use, since dynamo guards
+    # on what it reads, and alike blocks then share one compiled entry
+    block_options: Callable[[dict], dict] | None = None
 
     def __post_init__(self):
         for name, value, allowed in (("mode", self.mode, MODES), ("backend", self.backend, BACKENDS), ("compile_mode", self.compile_mode, COMPILE_MODES)):

@@ -9,8 +9,9 @@ Weights stay inputs in every mode:
   ``forward`` is bound to the compiled one only while the call runs). The blocks are those of the
   classes ``block_classes`` names (the model family's repeated blocks), a class that occurs once
   included; with none named or found, every composite class that occurs at least twice. Dynamo keeps
-  weight shapes static, and ComfyUI passes each block its position, so instances of one class that
-  differ in either compile apart (SD1.5's UNet: 14 compilations); a DiT's alike blocks share one;
+  weight shapes static, so instances of one class whose weights differ in shape compile apart; what
+  a block is handed besides tensors goes through ``block_options`` first, where a host leaves out what
+  differs per block (ComfyUI's block position), so that alike blocks share one compiled entry;
 - ``trace``: one trace per input signature, taking the weights as inputs, so replaced weights need
   no new trace; with ``freeze`` (weights folded in as constants) the trace is redone, which the
   stats say.
@@ -69,8 +70,8 @@ def recompile_limit() -> int:
     return getattr(config, "recompile_limit", None) or config.cache_size_limit
 
 
-# A block class meets every shape and block position of the UNet in one call, so it needs many
-# entries where a whole-model compile needs one per input signature.
+# A block class meets every shape of the UNet in one call (and every block position, where its options
+# must carry it), so it needs many entries where a whole-model compile needs one per input signature.
 REGIONAL_RECOMPILE_LIMIT = 64
 
 
@@ -206,6 +207,7 @@ class CompiledForward:
                     self._codes += (own.__code__,)
                     shared[type(block)] = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
             self._block_forwards = [(block, shared[type(block)]) for block in self.blocks]
+            self._handed = _block_argument(config.block_options)
         if self._codes:
             weakref.finalize(self, release_compiled_code, self._codes).atexit = False  # an exiting process frees it all
 
@@ -269,7 +271,7 @@ class CompiledForward:
     @contextlib.contextmanager
     def _blocks_compiled(self):
         for block, compiled in self._block_forwards:
-            block.forward = functools.partial(_on_dense_inputs, compiled, block)
+            block.forward = functools.partial(_block_call, compiled, block, self._handed)
         try:
             yield
         finally:
@@ -321,11 +323,19 @@ def _dense(value):
     return value.contiguous()
 
 
-def _on_dense_inputs(compiled: Callable, block: torch.nn.Module, *args, **kwargs):
-    """``compiled(block, ...)`` with every tensor argument dense (contiguous, or channels-last as
-    stored): dynamo guards on strides, and a block fed straight from a transpose (SD3's first joint
-    block) would otherwise compile its kind a second time."""
-    return compiled(block, *map(_dense, args), **{name: _dense(value) for name, value in kwargs.items()})
+def _block_argument(block_options: Callable[[dict], dict] | None) -> Callable:
+    """How each argument reaches a compiled block: every tensor dense (contiguous, or channels-last as
+    stored), since dynamo guards on strides and a block fed straight from a transpose (SD3's first
+    joint block) would otherwise compile its kind a second time; every dict through ``block_options``,
+    where given."""
+    if block_options is None:
+        return _dense
+    return lambda value: block_options(value) if isinstance(value, dict) else _dense(value)
+
+
+def _block_call(compiled: Callable, block: torch.nn.Module, handed: Callable, *args, **kwargs):
+    """``compiled(block, ...)`` with each argument as ``handed`` makes it (``_block_argument``)."""
+    return compiled(block, *map(handed, args), **{name: handed(value) for name, value in kwargs.items()})
 
 
 def _trace_with_weights_as_inputs(traceable: _Traceable, weights: tuple, tensors: tuple):

@@ -394,3 +394,24 @@ def test_the_chain_runs_innermost_first_whatever_order_its_configs_come_in(patch
     assert list(replaced.configs) == [STEP_CACHE, GRAPH] and fast_path.compile_config is not None
     with pytest.raises(ValueError, match="not in the fast path's chain"):
         FastPath({"quantize": object()}, family)
+
+
+def test_regional_compile_leaves_a_blocks_place_out_only_where_nothing_in_the_call_reads_it():
+    from sdopt.families import FLUX, SD15
+    from sdopt.nodes.attention import OVERRIDE_KEY, comfy_attention_override
+    from sdopt.nodes.fast_path import positionless_block_options
+    from sdopt.optim.attention import AttentionConfig, build_attention
+
+    ours = comfy_attention_override(build_attention(AttentionConfig(backend="sdpa")), lambda delegated=False: None)
+    given = {"block": ("input", 4), "block_index": 1, "transformer_index": 2, "activations_shape": [2, 4, 8, 8],
+             "original_shape": [2, 4, 8, 8], OVERRIDE_KEY: ours}
+    for options in ({}, {OVERRIDE_KEY: ours}):
+        handed = positionless_block_options(SD15, options)
+        assert handed(given) == {"original_shape": [2, 4, 8, 8], OVERRIDE_KEY: ours}
+        placeless = {"original_shape": [2, 4, 8, 8]}
+        assert handed(placeless) is placeless, "options with no place in them are handed on as they are"
+    assert positionless_block_options(SD15, {"patches_replace": {"attn2": {("input", 4): object()}}}) is None
+    assert positionless_block_options(SD15, {OVERRIDE_KEY: lambda func, *args, **kwargs: func(*args, **kwargs)}) is None, \
+        "another pack's override may read the place"
+    assert positionless_block_options(FLUX, {}) is None, "a family whose blocks never read their place"
+    assert positionless_block_options(None, {}) is None, "a family sdopt does not know"

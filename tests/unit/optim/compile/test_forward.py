@@ -194,6 +194,49 @@ def test_regional_blocks_compile_once_whatever_the_strides_of_their_input():
     assert fast.stats.compilations == 1, fast.stats.recompile_reasons
 
 
+class Placed(torch.nn.Module):
+    """Three alike blocks, each told its place in an options dict that it reads only to look up a
+    patch (as ComfyUI's UNet blocks do), and that each block adds a key to for the next."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x, options):
+            patch = options.get("patches", {}).get(options.get("place"))
+            options["seen"] = True
+            return self.proj(x) if patch is None else patch(x)
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(self.Block() for _ in range(3))
+
+    def forward(self, x):
+        options = {"patches": {}}
+        for place, block in enumerate(self.blocks):
+            options["place"] = place
+            x = block(x, options)
+        return x
+
+
+def _without_place(options: dict) -> dict:
+    return {name: value for name, value in options.items() if name not in ("place", "seen")}
+
+
+@pytest.mark.parametrize("block_options, compilations", [(None, 3), (_without_place, 1)], ids=["as-given", "place-left-out"])
+@torch.inference_mode()
+def test_alike_blocks_share_one_compile_where_their_place_is_left_out(block_options, compilations):
+    """Dynamo guards on the place a block reads (and on the options' keys), so each block compiles
+    apart; ``block_options`` hands them all the same options."""
+    module = Placed()
+    fast = compile_forward(module, lambda m, x: m(x), CompileConfig("compile_regional", backend="eager", block_options=block_options))
+    x = torch.randn(2, 4)
+    fast(x)
+    torch.testing.assert_close(fast(x), module(x))
+    assert fast.stats.compilations == compilations, fast.stats.recompile_reasons
+
+
 # --- the speed trial: compiled code slower than eager turns itself off, on a CPU --------------------
 
 
