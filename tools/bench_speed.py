@@ -55,7 +55,7 @@ from ..measure.profiler import MEMORY_LABELS, format_mib
 from ..measure.report import markdown_table, outside_allocator_suffix
 from ..measure.step_profile import profile_device
 from ..optim.precision import dtype_name
-from .bench_unet import checkpoint_path, load_checkpoint
+from .bench_unet import checkpoint_path, load_checkpoint, memory_mode_lines
 from .bench_vae import image_psnr
 from .fresh_process import run_in_fresh_process, serve_child
 from .progress import progress_bar
@@ -526,9 +526,7 @@ def speed_table(rows: list[SpeedRow]) -> str:
     elif start_up:
         tolerance += (f" Before the first compiling rung a tiny compile took {start_up[0]:.1f} s, torch's per-process start-up: "
                       "no rung's compile time holds it (a later rung may still reuse kernels an earlier one compiled).")
-    modes = sorted({r.memory_mode for r in rows if r.memory_mode})
-    memory = [f"ComfyUI's memory management: {', '.join(modes)} (--memory-mode)."] if modes else []
-    return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7, 8}) + ["", *notes, "", tolerance, *memory])
+    return "\n".join(markdown_table(headers, body, right={1, 2, 3, 4, 5, 6, 7, 8}) + ["", *notes, "", tolerance] + memory_mode_lines(rows))
 
 
 def _peak(row: SpeedRow) -> str:

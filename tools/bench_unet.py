@@ -54,6 +54,7 @@ class UNetBenchRow:
     working_peak_bytes: int | None = None  # the steady calls' peak over what was allocated before them
     working_peak_vs_fp32: float | None = None
     low_memory_mb: int = 0  # the SDOptLowMemory budget this row ran under; 0: not through it
+    memory_mode: str | None = None  # Report.memory_mode of the process: dynamic VRAM, classic memory, None (no dynamic VRAM here)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -203,6 +204,7 @@ def bench_unet(
             memory_kind=reading.kind, rel_error_vs_fp32=float((out - reference[0]).norm() / reference[0].norm()),
             latency_vs_fp32=median / reference[1], vram_cap_bytes=host.vram_cap_bytes,
             working_peak_bytes=working, working_peak_vs_fp32=_ratio(working, reference[2]), low_memory_mb=budget,
+            memory_mode=host.memory_mode.label,
         ))
     return rows
 
@@ -221,4 +223,10 @@ def unet_table(rows: list[UNetBenchRow]) -> str:
          "-" if r.working_peak_vs_fp32 is None else f"{r.working_peak_vs_fp32:.2f}", f"{r.rel_error_vs_fp32:.1e}"]
         for r in rows
     ]
-    return "\n".join(markdown_table(headers, body, right={4, 5, 7, 8, 9, 10, 11, 12, 13}))
+    return "\n".join(markdown_table(headers, body, right={4, 5, 7, 8, 9, 10, 11, 12, 13}) + memory_mode_lines(rows))
+
+
+def memory_mode_lines(rows) -> list[str]:
+    """A table's closing line naming ComfyUI's memory management its rows ran under; none where no row knows it."""
+    modes = sorted({row.memory_mode for row in rows if row.memory_mode})
+    return ["", f"ComfyUI's memory management: {', '.join(modes)} (--memory-mode)."] if modes else []

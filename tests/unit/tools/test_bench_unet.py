@@ -30,3 +30,11 @@ def test_table_shows_the_budget_and_the_working_peaks():
     assert "| sdopt-mini-sdxl | fp32 | — |" in lines[2] and "| 3,000.0 | 1.00 | 0.0e+00 |" in lines[2]
     assert "| sdopt-mini-sdxl | fp32 | 256 MiB |" in lines[3] and "| 600.0 | 0.20 | 2.0e-06 |" in lines[3]
     assert lines[4].endswith("| - | - | 0.0e+00 |"), "no working peak where it could not be read"
+
+
+def test_table_names_the_memory_management_its_rows_ran_under():
+    import dataclasses
+
+    assert "memory management" not in unet_table([_row()]), "a ComfyUI without dynamic VRAM: nothing to name"
+    table = unet_table([dataclasses.replace(_row(), memory_mode="dynamic VRAM")])
+    assert table.endswith("\n\nComfyUI's memory management: dynamic VRAM (--memory-mode).")
