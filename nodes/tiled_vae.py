@@ -81,7 +81,8 @@ class SDOptTiledVAE:
                 "Tile only when the untiled decode/encode is estimated not to fit budget_mb; otherwise run it untiled.")}),
             "budget_mb": ("INT", {"default": 0, "min": 0, "max": 1 << 20, "step": 64, "tooltip": (
                 "Memory the decode/encode may use, in MiB. 0 = the device's free memory when the call starts: VRAM on "
-                "a GPU (within PyTorch's memory fraction, less ComfyUI's --reserve-vram), RAM on a CPU.")}),
+                "a GPU (within PyTorch's memory fraction, less ComfyUI's --reserve-vram; on ComfyUI 0.38 plus what dynamic VRAM's "
+                "streamed weights would give back, as ComfyUI plans), RAM on a CPU.")}),
         }}
 
     # ComfyUI files a VALIDATE_INPUTS failure under every input the method takes, so it takes only

@@ -6,7 +6,8 @@ boolean (True = attend) or additive, and broadcasts to ``[B, H, Nq, Nk]`` as in
 ``torch.nn.functional.scaled_dot_product_attention``.
 
 Backends (the registry, in order): ``sdpa`` (PyTorch picks the kernel), ``sdpa_flash``,
-``sdpa_efficient`` and ``sdpa_math`` (one kernel forced through ``sdpa_kernel``), ``xformers``,
+``sdpa_efficient`` and ``sdpa_math`` (one kernel forced through ``sdpa_kernel``), ``sdpa_fused`` (only the
+flash and memory-efficient kernels: memory linear in the tokens), ``xformers``,
 ``sage`` and ``flash_attn`` (imported on first use, only where installed), ``sliced`` (query
 slices, optionally head slices), ``sub_quadratic`` (query and key chunks with an online softmax,
 so the full Nq x Nk matrix never exists) and ``naive`` (the reference). ``naive``, ``sliced`` and

@@ -494,7 +494,7 @@ def _add_gpu_memory_options(parser: argparse.ArgumentParser) -> None:
 def _add_memory_mode(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-mode", choices=MEMORY_MODES, help=(
         "ComfyUI's memory management: auto (the default, or $SDOPT_MEMORY_MODE) starts ComfyUI 0.38's dynamic VRAM where "
-        "its server would (an NVIDIA GPU, comfy-aimdo installed); classic keeps it off; dynamic insists on it"))
+        "its server would (an NVIDIA GPU or AMD on ROCm 7.14+, comfy-aimdo installed); classic keeps it off; dynamic insists on it"))
 
 
 # The generated models ComfyUI loads (the tiny ones are for unit tests only).

@@ -9,8 +9,9 @@ event, as the browser does, and never builds a report of its own; it only adds a
 ``--vram-cap`` was in force.
 
 ComfyUI's memory mode is the one its own server would start on this machine (``--memory-mode auto``):
-ComfyUI 0.38's dynamic VRAM on an NVIDIA GPU where this ComfyUI offers it and comfy-aimdo is installed,
-classic memory management elsewhere; ``classic`` and ``dynamic`` choose (``memory_mode.py``).
+ComfyUI 0.38's dynamic VRAM on an NVIDIA GPU (or AMD on ROCm 7.14+) where this ComfyUI offers it and
+comfy-aimdo is installed, classic memory management elsewhere; ``classic`` and ``dynamic`` choose
+(``memory_mode.py``).
 
 ``--vram-cap`` (``boot(..., vram_cap=...)``, applied right after ComfyUI boots, before any model
 loads) emulates a smaller GPU on a larger one: PyTorch's caching allocator may hold only
