@@ -593,6 +593,10 @@ class AttentionDecision:
     rejected: dict[str, str] = field(default_factory=dict)
 
 
+# a decision, and the pick's output on the inputs it was made on where deciding computed it
+Decided = tuple[AttentionDecision, torch.Tensor | None]
+
+
 def signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> str:
     """The inputs that a decision depends on, as a readable key."""
     text = f"q {_dims(q)} k {_dims(k)} v {_dims(v)} {_dtype_name(q.dtype)} {q.device}"
@@ -625,10 +629,13 @@ class _PerSignature:
         key = (q.shape, k.shape, v.shape, q.dtype, q.device, None if mask is None else (mask.shape, mask.dtype))
         decision = self._decisions.get(key)
         if decision is None:
-            decision = self._decisions[key] = self._decide(signature(q, k, v, mask), q, k, v, mask)
+            decision, out = self._decide(signature(q, k, v, mask), q, k, v, mask)
+            self._decisions[key] = decision
             self._picks.add(decision.picked)
             if self._on_decision is not None:
                 self._on_decision(decision)
+            if out is not None:
+                return out
         return self._function(decision.picked)(q, k, v, mask)
 
     def _function(self, name: str) -> AttentionFn:
@@ -636,17 +643,19 @@ class _PerSignature:
             self._functions[name] = backend_function(name, self.config)
         return self._functions[name]
 
-    def _decide(self, key, q, k, v, mask) -> AttentionDecision:
+    def _decide(self, key, q, k, v, mask) -> Decided:
+        """The decision for this signature, and the pick's output on these inputs where deciding
+        already computed it (the call then returns it rather than running attention again)."""
         raise NotImplementedError
 
 
 class NamedAttention(_PerSignature):
     """The configured backend, resolved per signature with the config's ``on_unavailable``."""
 
-    def _decide(self, key, q, k, v, mask) -> AttentionDecision:
+    def _decide(self, key, q, k, v, mask) -> Decided:
         resolved = resolve_backend(self.config.backend, q, k, v, mask, self.config.on_unavailable)
         rejected = {resolved.requested: resolved.note} if resolved.fell_back else {}
-        return AttentionDecision(key, resolved.requested, resolved.name, resolved.note, rejected=rejected)
+        return AttentionDecision(key, resolved.requested, resolved.name, resolved.note, rejected=rejected), None
 
 
 class LowMemoryAttention(_PerSignature):
@@ -654,17 +663,17 @@ class LowMemoryAttention(_PerSignature):
     first inputs: which kernel runs depends on dtype, head dim, mask, layout and the build),
     ``sub_quadratic`` within ``memory_budget_bytes`` elsewhere."""
 
-    def _decide(self, key, q, k, v, mask) -> AttentionDecision:
+    def _decide(self, key, q, k, v, mask) -> Decided:
         fused = available(SDPA_FUSED, q, k, v, mask)
         if fused.ok:
             try:
                 with warnings.catch_warnings():  # torch warns once per kernel it turns down before raising
                     warnings.simplefilter("ignore")
-                    self._function(SDPA_FUSED)(q, k, v, mask)
-                return AttentionDecision(key, LOW_MEMORY, SDPA_FUSED)
+                    out = self._function(SDPA_FUSED)(q, k, v, mask)
+                return AttentionDecision(key, LOW_MEMORY, SDPA_FUSED), out
             except RuntimeError as error:
                 fused = Availability(False, f"no fused sdpa kernel takes these inputs ({str(error).splitlines()[0]})")
-        return AttentionDecision(key, LOW_MEMORY, "sub_quadratic", f"sub_quadratic: {fused.reason}", rejected={SDPA_FUSED: fused.reason})
+        return AttentionDecision(key, LOW_MEMORY, "sub_quadratic", f"sub_quadratic: {fused.reason}", rejected={SDPA_FUSED: fused.reason}), None
 
 
 def build_attention(

@@ -4,7 +4,8 @@ differs from ``naive`` beyond the dtype's tolerance, and keep the fastest whose 
 rows of its output, is within it too (backends that quantize inside are never candidates: a user
 picks those by name; those that hold the whole score matrix only where it fits in half the device's
 free memory, at the whole call's size). Every candidate is checked against one ``naive_reference``
-of the trial rows per signature.
+of the trial rows per signature. The call that decides returns the output its decision already
+computed (the pick's check on a whole trial, its whole call otherwise): no attention runs twice.
 ``build_attention(AttentionConfig(backend="auto"))`` returns an ``AutoAttention``."""
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .attention import (
     AttentionConfig,
     AttentionDecision,
     AttentionFn,
+    Decided,
     Tolerance,
     _compute_dtype,
     _dtype_name,
@@ -197,12 +199,13 @@ class AutoAttention(_PerSignature):
         self.candidates = candidates
         self.repeats = repeats
 
-    def _decide(self, key, q, k, v, mask) -> AttentionDecision:
+    def _decide(self, key, q, k, v, mask) -> Decided:
         trial = TrialRows.of(q)
         q_trial, mask_trial = trial.inputs(q, mask)
         times: dict[str, float] = {}
         rejected: dict[str, str] = {}
         reference = None
+        fastest_out = None  # on a whole trial, the fastest candidate's checked output so far: the call's own
         for name in self.candidates or backend_names():
             backend = get_backend(name)
             if backend.low_precision:
@@ -221,17 +224,21 @@ class AutoAttention(_PerSignature):
             try:
                 if reference is None:
                     reference = naive_reference(q_trial, k, v, mask_trial, self.config.memory_budget_bytes)
-                check = self._check(fn(q_trial, k, v, mask_trial), q_trial, k, v, mask_trial, reference)
+                out = fn(q_trial, k, v, mask_trial)
+                check = self._check(out, q_trial, k, v, mask_trial, reference)
                 if not check.ok:
                     rejected[name] = check.reason
                     continue
                 times[name] = statistics.median(time_attention(fn, q_trial, k, v, mask_trial, self.repeats))
             except Exception as error:  # a backend that cannot run these inputs is turned down, not fatal
                 rejected[name] = f"failed: {type(error).__name__}: {_first_line(error)}"
+                continue
+            if trial.is_whole and all(times[name] < seconds for other, seconds in times.items() if other != name):
+                fastest_out = out
         for picked in sorted(times, key=times.__getitem__):
-            problem = "" if trial.is_whole else self._whole_call_problem(picked, q, k, v, mask, trial, q_trial, mask_trial, reference)
+            out, problem = (fastest_out, "") if trial.is_whole else self._whole_call(picked, q, k, v, mask, trial, q_trial, mask_trial, reference)
             if not problem:
-                return AttentionDecision(key, AUTO, picked, _auto_note(key, picked, times, trial), times, rejected)
+                return AttentionDecision(key, AUTO, picked, _auto_note(key, picked, times, trial), times, rejected), out
             rejected[picked] = problem
             del times[picked]
         details = "; ".join(f"{name}: {reason}" for name, reason in rejected.items())
@@ -240,15 +247,15 @@ class AutoAttention(_PerSignature):
     def _check(self, out, q, k, v, mask, reference) -> ReferenceCheck:
         return check_against_naive(out, q, k, v, mask, memory_budget_bytes=self.config.memory_budget_bytes, reference=reference)
 
-    def _whole_call_problem(self, name: str, q, k, v, mask, trial: TrialRows, q_trial, mask_trial, reference) -> str:
-        """Why the fastest backend on the trial rows cannot take the whole call, or "" where it can: its
-        kernel may differ at the whole size, so it runs once on every row and its trial rows are checked."""
+    def _whole_call(self, name: str, q, k, v, mask, trial: TrialRows, q_trial, mask_trial, reference) -> tuple[torch.Tensor | None, str]:
+        """The fastest backend on the trial rows, run once on every row (its kernel may differ at the
+        whole size) with its trial rows checked: (its output, "") where it holds, else (None, why not)."""
         try:
             out = self._function(name)(q, k, v, mask)
         except Exception as error:  # as in the trials: turned down, and the next fastest is tried
-            return f"failed on all {trial.total:,} query rows: {type(error).__name__}: {_first_line(error)}"
+            return None, f"failed on all {trial.total:,} query rows: {type(error).__name__}: {_first_line(error)}"
         check = self._check(out[:, :, trial.rows], q_trial, k, v, mask_trial, reference)
-        return "" if check.ok else f"on all {trial.total:,} query rows: {check.reason}"
+        return (out, "") if check.ok else (None, f"on all {trial.total:,} query rows: {check.reason}")
 
 
 def _auto_note(key: str, picked: str, times: dict[str, float], trial: TrialRows) -> str:

@@ -403,7 +403,7 @@ def test_auto_times_a_long_sequence_on_rows_through_all_of_it_and_runs_its_pick_
     mask = torch.randn(64, 40)
     attention = AutoAttention(candidates=("recorded",), repeats=2)
     out = attention(q, k, v, mask)
-    assert seen == [16, 16, 16, 64, 64], "check and two timed calls on 16 rows, the whole call's check, the call"
+    assert seen == [16, 16, 16, 64], "check and two timed calls on 16 rows, then the whole call, checked and returned"
     (decision,) = attention.decisions
     assert decision.note.endswith("timed on 16 of its 64 query rows")
     assert torch.allclose(out, naive_attention(q, k, v, mask))
@@ -442,8 +442,41 @@ def test_auto_short_sequences_are_timed_whole_and_not_run_twice(registered):
     registered(_rows_seen("recorded", naive_attention, seen))
     attention = AutoAttention(candidates=("recorded",), repeats=1)
     attention(*_qkv(1, 2, attention_auto.TRIAL_QUERY_ROWS, 40, 16))
-    assert seen == [attention_auto.TRIAL_QUERY_ROWS] * 3, "the check, one timed call, the call"
+    assert seen == [attention_auto.TRIAL_QUERY_ROWS] * 2, "the check, whose output the call returns, and one timed call"
     assert "timed on" not in attention.decisions[0].note
+
+
+@pytest.mark.parametrize("times, returned", [({"first": [2.0], "second": [1.0]}, "second"),
+                                             ({"first": [1.0], "second": [1.0]}, "first")], ids=["faster-later", "tie"])
+def test_auto_returns_the_picks_own_output_from_the_call_that_decides(registered, monkeypatch, times, returned):
+    """The first call returns the output deciding computed, so it must be the pick's (a tie goes to the
+    candidate tried first), and every later call runs the pick."""
+    offsets = {"first": 1e-7, "second": 2e-7}
+    for name, offset in offsets.items():
+        def shifted(q, k, v, mask=None, offset=offset):
+            return naive_attention(q, k, v, mask) + offset
+
+        shifted.__name__ = name
+        registered(Backend(name, shifted, {A.ANY_DEVICE: Limits()}))
+    monkeypatch.setattr(attention_auto, "time_attention", lambda fn, *args, **kwargs: times[fn.__name__])
+    attention = AutoAttention(candidates=("first", "second"))
+    q, k, v = _qkv(1, 2, 32, 40, 16)
+    expected = naive_attention(q, k, v) + offsets[returned]
+    assert torch.equal(attention(q, k, v), expected)
+    assert attention.decisions[0].picked == returned
+    assert torch.equal(attention(q, k, v), expected)
+
+
+def test_low_memory_returns_its_trial_of_the_fused_kernel_as_the_first_calls_output(monkeypatch):
+    seen = []
+    fused = get_backend(A.SDPA_FUSED)
+    monkeypatch.setitem(A._REGISTRY, A.SDPA_FUSED, _rows_seen(A.SDPA_FUSED, fused.fn, seen))
+    q, k, v = _qkv(1, 2, 64, 64, 16)
+    attention = build_attention(AttentionConfig(backend=A.LOW_MEMORY))
+    torch.testing.assert_close(attention(q, k, v), naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    assert seen == [64], "the trial that found a fused kernel is the call"
+    attention(q, k, v)
+    assert seen == [64, 64]
 
 
 def test_a_quantizing_backend_is_held_to_bf16s_bound_where_its_dtype_is_tighter():
