@@ -20,7 +20,7 @@ from ..errors import Unavailable
 from ..families import DiffusionCall, Family
 from ..measure.profiler import active_run
 from .glue import (ModelFamily, fall_back_or_raise, model_family, non_dynamic_clone, record_in_run, record_model, set_wrappers,
-                   wrapper_types)
+                   trim_heap_after_sampling, wrapper_types)
 
 FAST_PATH_KEY = "sdopt.fast_path"
 # sdopt Step Cache's first_block patches carry their cache in this attribute: under regional compile
@@ -451,6 +451,7 @@ def fast_path_clone(model, node: str, requested: str, problem: Unavailable | Non
     m, path_note, delegate_problem = (model.clone(), "", None) if unavailable else non_dynamic_clone(model)
     unavailable = unavailable or fall_back_or_raise(on_unavailable, delegate_problem, "run eager")
     if unavailable:
+        trim_heap_after_sampling(m)
         record_model(m, node, requested, "eager", f"{unavailable}; running eager", f"runs eager: {unavailable}")
         return m, None
     current = fast_path_of(m)

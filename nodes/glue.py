@@ -141,6 +141,12 @@ def set_wrappers(model, key: str, wrappers: dict[str, Callable]) -> None:
     """Make ``wrappers`` ({WrappersMP attribute name: fn}) the only ones of ``key`` on ``model``, and
     have every sampling run of ``model`` end by handing freed host memory back to the OS."""
     _replace_keyed(model, key, wrappers)
+    trim_heap_after_sampling(model)
+
+
+def trim_heap_after_sampling(model) -> None:
+    """Have every sampling run of ``model`` end by handing freed host memory back to the OS, its
+    other wrappers left as they are."""
     _replace_keyed(model, HEAP_TRIM_KEY, {"OUTER_SAMPLE": _trimming_heap_after})
 
 

@@ -19,7 +19,9 @@ Each backend declares where it runs (device, dtypes, head dim, masks, the packag
 One config, one verb: ``build_attention(AttentionConfig(...))`` returns a callable with the
 convention above. For a named backend it resolves per input signature (shapes, dtype, device,
 mask) and falls back (``on_unavailable="fallback"``) or raises ``UserError`` (``"error"``). For
-``"auto"`` it times every available exact backend on the first real inputs of each signature, rejects
+``"auto"`` it times every available exact backend on the first real inputs of each signature (at most
+``attention_auto.TRIAL_QUERY_ROWS`` of their query rows, and none that would hold the whole score
+matrix in more than half the free memory), rejects
 those whose output differs from ``naive`` beyond the dtype's tolerance, and keeps the fastest.
 For ``"low_memory"`` it takes, per signature, PyTorch's fused SDPA kernels (flash or
 memory-efficient, whose memory grows linearly with the tokens) where one takes the inputs, and

@@ -9,8 +9,9 @@ is a context manager under which, without changing the model:
 - ``F.conv2d`` runs over row slices of its output, each fed by the input rows it needs (the halo
   rows around it, zeros only at the tensor's own top and bottom), so the kernel's layout copies and
   workspace cover one slice;
-- every module whose class name is in ``feedforward_modules`` (ComfyUI's and diffusers'
-  ``FeedForward``, GEGLU included) runs over token slices, so its hidden activations (a GEGLU's
+- every module whose class name, or whose attribute name in its parent (Flux's generic ``img_mlp``),
+  is in ``feedforward_modules`` (ComfyUI's and diffusers' ``FeedForward``, GEGLU included) runs over
+  token slices, so its hidden activations (a GEGLU's
   projection is twice the inner width, then the GELU and the product) cover one slice.
 
 An op runs chunked only when its estimated working memory exceeds ``budget_bytes``; each chunk is

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import UserError
 from ..measure.profiler import SamplingRun
+from ..measure.record import record
 
 RECIPE = "fp16, SDPA, channels-last"
 COMPILE_RECIPE = "torch.compile(mode='max-autotune', fullgraph=True)"
@@ -94,8 +95,9 @@ class DiffusersSampler:
     def sample(self, positive: dict, negative: dict, noise: torch.Tensor, steps: int, cfg: float) -> tuple[torch.Tensor, dict, float]:
         """(the latent in the pipeline's scaled space, the run as ``RunResult.to_dict()``, seconds from
         call to return). ``positive``/``negative``: ``embeds`` [B, 77, C] and, for SDXL, ``pooled``."""
-        record = {"node": NODE, "requested": self.label, "active": self.recipe, "note": ""}
-        run = SamplingRun(self.label, self.device, [record])
+        records = []
+        record(records, NODE, self.label, self.recipe)
+        run = SamplingRun(self.label, self.device, records)
         height, width = (n * self.pipeline.vae_scale_factor for n in noise.shape[-2:])
         arguments = dict(prompt_embeds=positive["embeds"].to(self.device, self.dtype),
                          negative_prompt_embeds=negative["embeds"].to(self.device, self.dtype))

@@ -70,6 +70,7 @@ def test_compile_node_without_a_non_dynamic_delegate_follows_on_unavailable(patc
     assert fast_path_of(patched) is None and patched.is_dynamic(), "eager, streamed by ComfyUI as before"
     (record,) = glue.model_records(patched.model_options)
     assert record["active"] == "eager" and "cached_patcher_init is not initialized" in record["note"]
+    assert keyed_wrappers(patched, glue.HEAP_TRIM_KEY), "an eager clone still hands freed host memory back after sampling"
     with pytest.raises(UserError, match=r"^model: ComfyUI's dynamic VRAM streams this model"):
         SDOptCompile().patch(UnreloadablePatcher(), "trace", "inductor", "default", False, False, "error")
 
