@@ -42,8 +42,12 @@ $(MINI_SD35): | comfyui
 $(MINI_FLUX): | comfyui
 	$(PY) -m sdopt make-model flux-mini --out $@
 
+# The unit tier on two workers, each taking whole files (a file's tests keep their order): its cold
+# compiles and fresh-process measurements then share both cores. The other tiers load ComfyUI and the
+# checkpoints once, in one process.
 test: comfyui $(MINI) $(MINI_SDXL)
-	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest
+	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest -n 2 --dist loadfile tests/unit
+	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest tests/host tests/browser tests/gpu
 
 demo: comfyui $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
