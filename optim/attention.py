@@ -21,8 +21,8 @@ convention above. For a named backend it resolves per input signature (shapes, d
 mask) and falls back (``on_unavailable="fallback"``) or raises ``UserError`` (``"error"``). For
 ``"auto"`` it times every available exact backend on the first real inputs of each signature (at most
 ``attention_auto.TRIAL_QUERY_ROWS`` of their query rows, and none that would hold the whole score
-matrix in more than half the free memory), rejects
-those whose output differs from ``naive`` beyond the dtype's tolerance, and keeps the fastest.
+matrix in more than half the free memory), rejects those whose output differs from ``naive`` beyond
+the dtype's tolerance, and keeps the fastest.
 For ``"low_memory"`` it takes, per signature, PyTorch's fused SDPA kernels (flash or
 memory-efficient, whose memory grows linearly with the tokens) where one takes the inputs, and
 ``sub_quadratic`` within the memory budget elsewhere. All three expose ``decisions`` for reports.

@@ -11,8 +11,8 @@ is a context manager under which, without changing the model:
   workspace cover one slice;
 - every module whose class name, or whose attribute name in its parent (Flux's generic ``img_mlp``),
   is in ``feedforward_modules`` (ComfyUI's and diffusers' ``FeedForward``, GEGLU included) runs over
-  token slices, so its hidden activations (a GEGLU's
-  projection is twice the inner width, then the GELU and the product) cover one slice.
+  token slices, so its hidden activations (a GEGLU's projection is twice the inner width, then the
+  GELU and the product) cover one slice.
 
 An op runs chunked only when its estimated working memory exceeds ``budget_bytes``; each chunk is
 sized to fit it. The output of every op is full size either way, so what this lowers is the
