@@ -4,9 +4,9 @@ The node only configures the clone's fast path (``fast_path.FastPath``); each in
 call runs eagerly and its second compiles (usually sampling step 1), and the profiler report gives
 its count, time, guard-failure reasons, graph breaks and the functions torch gave up on. Where
 ComfyUI's own attention breaks torch.compile's graph (on a CPU it asks psutil for free memory on
-every call) and no attention override is set,
-the node runs attention through sdopt's sdpa itself, so that the UNet compiles as one graph; an
-sdopt Attention node before or after it chooses the backend instead.
+every call) and no attention override is set, the node runs attention through sdopt's sdpa itself,
+so that the UNet compiles as one graph; an sdopt Attention node before or after it chooses the
+backend instead.
 """
 import functools
 
