@@ -45,9 +45,10 @@ $(MINI_FLUX): | comfyui
 # The unit tier on two workers, each taking whole files (a file's tests keep their order): its cold
 # compiles and fresh-process measurements then share both cores. The other tiers load ComfyUI and the
 # checkpoints once, in one process.
+TEST_ENV = COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints
 test: comfyui $(MINI) $(MINI_SDXL)
-	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest -n 2 --dist loadfile tests/unit
-	COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints $(PY) -m pytest tests/host tests/browser tests/gpu
+	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadfile tests/unit
+	$(TEST_ENV) $(PY) -m pytest tests/host tests/browser tests/gpu
 
 demo: comfyui $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
