@@ -614,3 +614,22 @@ def test_fp8_matmul_needs_e4m3_weights_and_a_device_that_multiplies_fp8(monkeypa
     plan = plan_precision(PrecisionConfig("fp8_e4m3fn", "fp8_matmul"), torch.float32, torch.float32, "cuda:0")
     assert plan.fp8_matmul and plan.weight_dtype == torch.float8_e4m3fn and plan.compute_dtype == torch.float16
     assert plan_precision(PrecisionConfig("fp8_e4m3fn", "fp8_matmul"), torch.float32, torch.float32, "cpu").compute_dtype == torch.float32
+
+
+def test_fp8_linear_runs_cpu_products_without_onednn_and_restores_it(monkeypatch):
+    """oneDNN's fp8 kernel on an AMX CPU is a reference kernel hundreds of times slower than torch's
+    emulation, so the product runs with oneDNN off, and oneDNN is back on afterwards."""
+    seen = []
+    scaled_mm = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.mkldnn.enabled)
+        return scaled_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    weight = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    assert torch.backends.mkldnn.enabled
+    out = P.fp8_linear(x, weight, None, torch.float32)
+    assert seen == [False] and torch.backends.mkldnn.enabled
+    assert _rel(out, x.float() @ weight.float().T) < 0.06
