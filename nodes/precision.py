@@ -15,7 +15,7 @@ import functools
 import torch
 
 from ..optim.precision import (AUTO, COMPUTE_DTYPES, FP8_MATMUL, WEIGHT_DTYPES, PrecisionConfig, converted_copy, dtype_name, fp8_linear,
-                               fp8_linear_fits, pick_dtype, plan_precision, tf32_scope, weight_bytes)
+                               fp8_linear_fits, fp8_matmul_kernel, pick_dtype, plan_precision, tf32_scope, weight_bytes)
 from ..measure.profiler import format_mib
 from . import glue
 from .glue import DEFAULT
@@ -67,7 +67,7 @@ class SDOptPrecision:
             "compute_dtype": ([DEFAULT, *COMPUTE_DTYPES, FP8_MATMUL], {"default": DEFAULT, "tooltip": (
                 "The dtype the UNet computes in. default: the new weight dtype where the device computes in it, "
                 "otherwise what the model computes in now. fp8_matmul (with weight_dtype fp8_e4m3fn, where torch._scaled_mm "
-                "runs: NVIDIA GPUs of compute capability 8.9+, and a CPU, to check numbers): Linear layers multiply in fp8 "
+                "runs: NVIDIA GPUs of compute capability 8.9+, and a CPU, in its fp32 emulation, to check numbers): Linear layers multiply in fp8 "
                 "(activations scaled per call), the rest in bf16 on CUDA (fp16 where bf16 does not run), fp32 elsewhere.")}),
             "tf32": ("BOOLEAN", {"default": False, "tooltip": "Allow TF32 matmuls and convolutions (CUDA, Ampere and newer) during sampling only."}),
             "channels_last": ("BOOLEAN", {"default": False, "tooltip": (
@@ -113,7 +113,7 @@ class SDOptPrecision:
             m.set_model_compute_dtype(m.model.manual_cast_dtype)
             if plan.fp8_matmul:
                 fitting, linears = _multiply_in_fp8(m.model.diffusion_model, plan.compute_dtype)
-                notes.append(f"fp8 matmuls: {fitting} of {linears} Linear layers through torch._scaled_mm, activations scaled "
+                notes.append(f"fp8 matmuls: {fitting} of {linears} Linear layers through {fp8_matmul_kernel(device)}, activations scaled "
                              f"to e4m3 per call" + (f"; the other {linears - fitting} (widths not multiples of 16) and "
                                                      "every other op compute" if fitting < linears else "; every other op computes")
                              + f" in {dtype_name(plan.compute_dtype)}")

@@ -5,7 +5,8 @@ Host-independent. ``plan_precision`` resolves a ``PrecisionConfig`` for a model 
 ``converted_copy`` makes the private copy of a module whose weights are stored in the planned
 dtype; the host computes in the planned compute dtype (ComfyUI: its per-layer cast, which also
 upcasts fp8 storage), or, with ``fp8_matmul``, multiplies fp8 e4m3 weights in fp8 (``fp8_linear``:
-``torch._scaled_mm`` with a per-call activation scale). Nothing here changes the module it is given.
+``torch._scaled_mm`` with a per-call activation scale; on a CPU, its fp32 emulation written out).
+Nothing here changes the module it is given.
 
 TF32 is process-global, so it is a scope (``tf32_scope``) around the calls that should
 use it, never a property of a module. ``run_with_nan_guard`` redoes a decode/encode
@@ -101,27 +102,28 @@ def fp8_linear_fits(features: int, outputs: int) -> bool:
     return features % 16 == 0 and outputs % 16 == 0
 
 
-@contextlib.contextmanager
-def _without_onednn(device: torch.device):
-    """oneDNN off around a CPU ``torch._scaled_mm``. On a CPU with AMX, torch hands fp8 products to
-    oneDNN, which, with no fp8 unit to run them on, uses a reference kernel: 300x slower at 512x128x128
-    and 1,400x at 2048x256x1024 than torch's own fp32 emulation of the same product, which gives the
-    same numbers (measured on a 2-core Xeon with AMX and AVX512-FP16, torch 2.14). The switch is
-    process-wide, so it is held for this one call only."""
-    if device.type != "cpu" or not torch.backends.mkldnn.enabled:
-        yield
-        return
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = True
+def fp8_matmul_kernel(device: torch.device | str) -> str:
+    """What multiplies ``fp8_linear``'s products on ``device``, as records name it."""
+    return "torch._scaled_mm's fp32 emulation (a CPU has no fp8 unit)" if torch.device(device).type == "cpu" else "torch._scaled_mm"
+
+
+def _fp8_product(quantized: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    if quantized.device.type != "cpu":
+        one = torch.ones((), device=quantized.device, dtype=torch.float32)
+        return torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=one, out_dtype=out_dtype, bias=bias)
+    # torch's own CPU _scaled_mm computes this same product in fp32 (equal to the bit), but on a CPU
+    # with AMX it hands it to oneDNN's fp8 reference kernel instead: 300x slower at 512x128x128 and
+    # 1,400x at 2048x256x1024 (a 2-core Xeon with AMX and AVX512-FP16, torch 2.14). Written out, it
+    # also stays fast inside a compiled graph.
+    out = (quantized.float() * scale) @ weight.float().t()
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor | None:
     """``x @ weight.T + bias`` with ``weight`` stored fp8 e4m3 (scale 1, as ComfyUI stores fp8 and
     patches LoRAs into it) and ``x`` quantized to e4m3 with one scale per call (its largest magnitude
-    at ``E4M3_MAX``, where ComfyUI's fp8 fast path clamps at it), multiplied by ``torch._scaled_mm``
+    at ``E4M3_MAX``, where ComfyUI's fp8 fast path clamps at it), multiplied by ``fp8_matmul_kernel``
     into ``out_dtype``. None where ``fp8_linear_fits`` says no (the caller computes it as before); the
     rows are padded to a multiple of 16."""
     features, outputs = x.shape[-1], weight.shape[0]
@@ -133,16 +135,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         rows = F.pad(rows, (0, 0, 0, padded))
     scale = (rows.abs().amax().float() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     quantized = (rows.float() / scale).to(torch.float8_e4m3fn)
-    one = torch.ones((), device=x.device, dtype=torch.float32)
-    with _without_onednn(x.device):
-        out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=one, out_dtype=out_dtype,
-                               bias=None if bias is None else bias.to(out_dtype))
+    out = _fp8_product(quantized, weight, scale, None if bias is None else bias.to(out_dtype), out_dtype)
     return out[: out.shape[0] - padded].reshape(*x.shape[:-1], outputs)
 
 
 @functools.lru_cache(maxsize=None)
 def fp8_matmul_supported(device: torch.device | str) -> bool:
-    """Whether ``torch._scaled_mm`` multiplies e4m3 matrices on ``device`` (tried once)."""
+    """Whether ``fp8_linear`` multiplies e4m3 matrices on ``device`` (tried once)."""
     device = torch.device(device)
     try:
         x = torch.ones(16, 16, device=device, dtype=torch.bfloat16)

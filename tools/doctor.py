@@ -251,7 +251,7 @@ def storage_tolerance(dtype: torch.dtype) -> float:
 
 def _fp8_matmul(device: torch.device) -> float:
     """Relative error of sdopt Precision's fp8 matmul (``fp8_linear``: the activations scaled to e4m3,
-    ``torch._scaled_mm``) against the same fp8 weights in fp32."""
+    ``fp8_matmul_kernel``) against the same fp8 weights in fp32."""
     from ..optim.precision import fp8_linear
 
     generator = _generator()
@@ -264,7 +264,7 @@ def _fp8_matmul(device: torch.device) -> float:
 
 
 def check_dtypes(ctx: Context) -> list[CheckRow]:
-    from ..optim.precision import dtype_name
+    from ..optim.precision import dtype_name, fp8_matmul_kernel
 
     device, rows = ctx.device, []
     for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
@@ -295,7 +295,7 @@ def check_dtypes(ctx: Context) -> list[CheckRow]:
                                  f"{name} gives wrong numbers here: keep sdopt Precision's compute_dtype at fp32 and update torch and the driver"))
         else:
             rows.append(CheckRow(f"{name} compute", tried, OK, f"relative error {error:.1e}"))
-    tried = f"sdopt's fp8 e4m3 matmul (activations scaled per call, torch._scaled_mm) on {device}, against fp32"
+    tried = f"sdopt's fp8 e4m3 matmul (activations scaled per call, {fp8_matmul_kernel(device)}) on {device}, against fp32"
     try:
         error = _fp8_matmul(device)
     except Exception as failure:

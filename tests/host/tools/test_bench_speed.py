@@ -114,7 +114,7 @@ def test_fp8_rungs_sdopts_matmuls_beside_comfyuis_own_fp8_fast(comfy_host, monke
     assert [r.rung for r in rows] == ["stock", "fp8_matmul", "fp8_e4m3fn_fast"]
     fp8, comfys = rows[1:]
     assert (fp8.eager_twin, comfys.eager_twin) == ("attention", "stock")
-    assert "through torch._scaled_mm" in fp8.notes and comfys.nodes == "Load Diffusion Model(fp8_e4m3fn_fast)"
+    assert "through torch._scaled_mm's fp32 emulation" in fp8.notes and comfys.nodes == "Load Diffusion Model(fp8_e4m3fn_fast)"
     assert comfys.notes == "ComfyUI runs no fp8 matmul on cpu (its supports_fp8_compute says no): fp8 weights upcast per layer to fp32"
     for row in (fp8, comfys):
         assert row.within_tolerance is None and row.psnr_vs_eager_db is not None and row.max_pixel_diff_vs_eager > 0

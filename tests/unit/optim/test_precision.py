@@ -616,20 +616,23 @@ def test_fp8_matmul_needs_e4m3_weights_and_a_device_that_multiplies_fp8(monkeypa
     assert plan_precision(PrecisionConfig("fp8_e4m3fn", "fp8_matmul"), torch.float32, torch.float32, "cpu").compute_dtype == torch.float32
 
 
-def test_fp8_linear_runs_cpu_products_without_onednn_and_restores_it(monkeypatch):
-    """oneDNN's fp8 kernel on an AMX CPU is a reference kernel hundreds of times slower than torch's
-    emulation, so the product runs with oneDNN off, and oneDNN is back on afterwards."""
-    seen = []
-    scaled_mm = torch._scaled_mm
-
-    def spy(*args, **kwargs):
-        seen.append(torch.backends.mkldnn.enabled)
-        return scaled_mm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
-    x = torch.randn(16, 32, dtype=torch.bfloat16)
-    weight = torch.randn(16, 32).to(torch.float8_e4m3fn)
-    assert torch.backends.mkldnn.enabled
-    out = P.fp8_linear(x, weight, None, torch.float32)
-    assert seen == [False] and torch.backends.mkldnn.enabled
-    assert _rel(out, x.float() @ weight.float().T) < 0.06
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_on_a_cpu_gives_scaled_mms_own_numbers_eager_and_compiled(bias):
+    """On a CPU the product is torch._scaled_mm's fp32 emulation written out (oneDNN's fp8 kernel on an
+    AMX CPU is a reference kernel hundreds of times slower): equal to the bit to _scaled_mm with oneDNN
+    off, where torch emulates it, and the same inside a compiled graph."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 48, 64, generator=generator).to(torch.bfloat16) * 40
+    weight = torch.randn(32, 64, generator=generator).to(torch.float8_e4m3fn)
+    b = torch.randn(32, generator=generator) if bias else None
+    out = P.fp8_linear(x, weight, b, torch.bfloat16)
+    rows = x.reshape(-1, 64)
+    scale = (rows.abs().amax().float() / P.E4M3_MAX)
+    with torch.backends.mkldnn.flags(enabled=False):
+        reference = torch._scaled_mm((rows.float() / scale).to(torch.float8_e4m3fn), weight.t(), scale_a=scale,
+                                     scale_b=torch.ones(()), out_dtype=torch.bfloat16,
+                                     bias=None if b is None else b.to(torch.bfloat16))
+    assert torch.equal(out, reference.reshape(3, 48, 32))
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(P.fp8_linear, backend="aot_eager", fullgraph=True)(x, weight, b, torch.bfloat16), out)
+    assert P.fp8_matmul_kernel("cpu").startswith("torch._scaled_mm's fp32 emulation") and P.fp8_matmul_kernel("cuda:0") == "torch._scaled_mm"

@@ -138,7 +138,7 @@ def test_fp8_compute_where_scaled_matmuls_do_not_run(monkeypatch):
     def scaled_mm(*args, **kwargs):
         raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9")
 
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(precision_module, "_fp8_product", scaled_mm)
     row = one(doctor.check_dtypes(ctx()), "fp8 compute")
     assert row.status == UNAVAILABLE and "compute capability" in row.result
     assert_fix(row, "8.9", "fp8 weight_dtype still halves")
