@@ -306,9 +306,10 @@ def check_dtypes(ctx: Context) -> list[CheckRow]:
                              f"fp8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell){capability}; "
                              "sdopt Precision's fp8 weight_dtype still halves the weights' memory (stored fp8, computed in fp16/bf16)"))
     else:
+        uses = ("ComfyUI's quantized checkpoints use these matmuls" if device.type != "cpu" else
+                "on a CPU it checks numbers, it saves no time (ComfyUI runs no fp8 matmul on a CPU)")
         rows.append(CheckRow("fp8 compute", tried, OK, f"relative error {error:.1e}; sdopt Precision multiplies fp8_e4m3fn weights "
-                                                       "this way with compute_dtype fp8_matmul, and ComfyUI's quantized checkpoints "
-                                                       "use these matmuls"))
+                                                       f"this way with compute_dtype fp8_matmul; {uses}"))
     return rows
 
 

@@ -103,6 +103,8 @@ def test_every_dtype_is_stored_and_computed_on_the_cpu():
     names = [r.check for r in rows]
     assert names == ["bf16 storage", "fp16 storage", "fp8_e4m3fn storage", "fp8_e5m2 storage", "bf16 compute", "fp16 compute", "fp8 compute"]
     assert all(r.status == OK for r in rows), [r for r in rows if r.status != OK]
+    fp8 = one(rows, "fp8 compute")
+    assert "fp32 emulation" in fp8.tried and "on a CPU it checks numbers, it saves no time" in fp8.result
 
 
 def test_storage_that_cannot_be_made_or_comes_back_wrong(monkeypatch):
