@@ -102,14 +102,20 @@ def fp8_linear_fits(features: int, outputs: int) -> bool:
     return features % 16 == 0 and outputs % 16 == 0
 
 
+def fp8_matmul_emulated(device: torch.device | str) -> bool:
+    """Whether ``fp8_linear`` computes its products as ``torch._scaled_mm``'s fp32 emulation on
+    ``device`` instead of calling it: on a CPU, which has no fp8 unit."""
+    return torch.device(device).type == "cpu"
+
+
 def fp8_matmul_kernel(device: torch.device | str) -> str:
     """What multiplies ``fp8_linear``'s products on ``device``, as records name it."""
-    return "torch._scaled_mm's fp32 emulation (a CPU has no fp8 unit)" if torch.device(device).type == "cpu" else "torch._scaled_mm"
+    return "torch._scaled_mm's fp32 emulation (a CPU has no fp8 unit)" if fp8_matmul_emulated(device) else "torch._scaled_mm"
 
 
 def _fp8_product(quantized: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype) -> torch.Tensor:
-    if quantized.device.type != "cpu":
+    if not fp8_matmul_emulated(quantized.device):
         one = torch.ones((), device=quantized.device, dtype=torch.float32)
         return torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=one, out_dtype=out_dtype, bias=bias)
     # torch's own CPU _scaled_mm computes this same product in fp32 (equal to the bit), but on a CPU

@@ -264,7 +264,7 @@ def _fp8_matmul(device: torch.device) -> float:
 
 
 def check_dtypes(ctx: Context) -> list[CheckRow]:
-    from ..optim.precision import dtype_name, fp8_matmul_kernel
+    from ..optim.precision import dtype_name, fp8_matmul_emulated, fp8_matmul_kernel
 
     device, rows = ctx.device, []
     for dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
@@ -306,8 +306,8 @@ def check_dtypes(ctx: Context) -> list[CheckRow]:
                              f"fp8 matmuls need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell){capability}; "
                              "sdopt Precision's fp8 weight_dtype still halves the weights' memory (stored fp8, computed in fp16/bf16)"))
     else:
-        uses = ("ComfyUI's quantized checkpoints use these matmuls" if device.type != "cpu" else
-                "on a CPU it checks numbers, it saves no time (ComfyUI runs no fp8 matmul on a CPU)")
+        uses = ("on a CPU it checks numbers, it saves no time (ComfyUI runs no fp8 matmul on a CPU)" if fp8_matmul_emulated(device)
+                else "ComfyUI's quantized checkpoints use these matmuls")
         rows.append(CheckRow("fp8 compute", tried, OK, f"relative error {error:.1e}; sdopt Precision multiplies fp8_e4m3fn weights "
                                                        f"this way with compute_dtype fp8_matmul; {uses}"))
     return rows
