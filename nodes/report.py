@@ -43,7 +43,7 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
     elif key in _last_sampled:
         report = Report.from_dict(_last_sampled[key].to_dict())
         report.cached = True
-        report.notes = [f"{_NO_SAMPLING} These are the last real figures of this node; {_PROFILE_AGAIN}"]
+        report.notes = [f"{_NO_SAMPLING} These are the last real figures of this node; {_PROFILE_AGAIN}"] + report.notes
     else:
         report.notes.append(f"{_NO_SAMPLING} {_PROFILE_AGAIN[0].upper()}{_PROFILE_AGAIN[1:]}")
     return report

@@ -292,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("model", choices=MODEL_NAMES)
     make.add_argument("--out", required=True, type=Path, help="the .safetensors file to write")
     make.add_argument("--text-encoder-out", type=Path, default=None,
-                      help="Flux only: its text encoder file (default: text_encoders/ beside the checkpoints folder)")
+                      help=("Flux only: its text encoder file (default: <name>-text.safetensors in text_encoders/ beside the checkpoints "
+                            "folder when --out is in one, else in text_encoders/ inside --out's folder)"))
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="fp16")
     make.set_defaults(handler=_make_model)
@@ -335,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--seed", type=int, default=0, help="draws every prompt's chain, size, LoRA and sampler seed (a rerun repeats them)")
     soak.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     soak.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder); a missing mini is generated there")
-    soak.add_argument("--model", action="append", choices=[name for name in _COMFYUI_MODELS if "full" not in name], help=(
+    soak.add_argument("--model", action="append", choices=[name for name in _COMFYUI_MODELS if resolve_model(name)[1] == "mini"], help=(
         "the generated model(s) the prompts draw from (repeatable; default mini)"))
     soak.add_argument("--port", type=int, help="default: a free port")
     soak.add_argument("--max-drift", type=float, default=5.0, metavar="PERCENT", help="RSS growth allowed from the warm reading to the end one")
@@ -476,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache = commands.add_parser("cache", help="list or purge the compiled-code cache of sdopt Compile (its entries only)")
     cache_actions = cache.add_subparsers(dest="action", required=True)
     cache_dir = argparse.ArgumentParser(add_help=False)
-    cache_dir.add_argument("--dir", type=Path, help="default: $SDOPT_CACHE_DIR or ~/.cache/sdopt/compile")
+    cache_dir.add_argument("--dir", type=Path, help="default: $SDOPT_CACHE_DIR, else sdopt/compile in $XDG_CACHE_HOME or ~/.cache")
     cache_actions.add_parser("list", parents=[cache_dir], help="the entries: key, settings, size, cold compile times, dates")
     purge = cache_actions.add_parser("purge", parents=[cache_dir], help="delete the entries sdopt wrote (nothing else in the folder)")
     purge.add_argument("key", nargs="?", help="purge only this entry (a key from `cache list`)")

@@ -486,7 +486,7 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
         raise UserError(f"--prompts {prompts}: run at least 1 prompt")
     warmup = max(0, min(warmup, prompts - 1))  # the warm reading comes before the last prompt at the latest
     if max_drift < 0:
-        raise UserError(f"--max-drift {max_drift}: give a fraction at or above 0, e.g. 0.05 for 5%")
+        raise UserError(f"--max-drift {max_drift * 100:g}: give a percentage at or above 0, e.g. 5 for 5%")
     root = _comfyui_root(comfyui)
     models = Path(models) if models is not None else root / "models"
     result = SoakResult(seed=seed, prompts=prompts, warmup=warmup, max_drift=max_drift)

@@ -41,6 +41,18 @@ def test_rerun_with_nothing_changed_shows_the_last_real_figures_marked_cached(qu
     assert note in cached.markdown()
 
 
+def test_a_cached_report_keeps_the_notes_of_the_real_one(comfy_host, monkeypatch):
+    note = "dynamic VRAM turned off where ComfyUI turns it on by default"
+    monkeypatch.setattr(comfy_host.pack("nodes.glue"), "memory_mode", lambda device: ("classic", note))
+    prompt = comfy_host.prompt(comfy_host.WORKFLOWS / "sd15_baseline.json", [*comfy_host.SMALL, "KSampler.steps=1", "KSampler.seed=5"])
+    comfy_host.host.clear_cache()
+    real = comfy_host.host.execute(prompt).report
+    cached = comfy_host.host.execute(prompt).report
+    assert real.notes == [note]
+    assert cached.cached and "last real figures" in cached.notes[0]
+    assert cached.notes[1:] == [note]
+
+
 def test_each_queue_saves_its_own_json(queued_twice):
     real, cached = queued_twice["real"], queued_twice["cached"]
     assert real.report_path != cached.report_path

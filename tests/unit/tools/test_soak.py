@@ -234,6 +234,11 @@ def test_cli_options_and_a_missing_comfyui(capsys, tmp_path, monkeypatch):
     assert (args.prompts, args.seed, args.max_drift, args.warmup, args.model, args.port) == (5, 3, 2.5, 35, None, None)
     assert main(["soak", "--comfyui", str(tmp_path), "--prompts", "1"]) == 2
     assert f"ComfyUI not found at {tmp_path}" in capsys.readouterr().err
+    assert main(["soak", "--comfyui", str(tmp_path), "--max-drift", "-1"]) == 2
+    for not_a_mini in ("sd35-medium", "flux-schnell", "full"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["soak", "--model", not_a_mini])
+    assert "--max-drift -1: give a percentage at or above 0, e.g. 5 for 5%" in capsys.readouterr().err
 
 
 def test_a_family_with_its_own_text_encoder_file_encodes_through_clip_loader(core_definitions):
