@@ -67,7 +67,7 @@ _CHUNK_HEADER, _CHUNK_ALIGN, _CHUNK_MIN = 8, 16, 32
 _WORKSPACE = "kernel workspace"  # the heap's key for the running op's workspace
 _CONVOLUTIONS = frozenset({torch.ops.aten.convolution.default, torch.ops.aten.conv2d.default})
 _BYTE_UNITS = {
-    "": 1, "b": 1,
+    "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
@@ -76,10 +76,13 @@ _BYTES_PATTERN = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
 def parse_bytes(text: str, option: str = "budget") -> int:
-    """Bytes from ``"8GiB"``, ``"2048MiB"``, ``"512MB"``, ``"1.5G"`` (bare K/M/G/T are binary) or a
-    plain number of bytes; anything else raises ``UserError`` naming ``option``."""
+    """Bytes from ``"8GiB"``, ``"2048MiB"``, ``"512MB"``, ``"1.5G"`` (bare K/M/G/T are binary) or
+    ``"4096B"``; anything else raises ``UserError`` naming ``option``. A number without a unit is refused:
+    ``--budget 8`` meant gigabytes, not 8 bytes."""
     match = _BYTES_PATTERN.fullmatch(str(text))
     unit = match.group(2).lower() if match else None
+    if match is not None and not unit:
+        raise UserError(f"{option}: {text!r} has no unit; write e.g. {match.group(1)}GiB or {match.group(1)}MiB")
     if match is None or unit not in _BYTE_UNITS:
         raise UserError(f"{option}: {text!r} is not a size; write e.g. 8GiB, 2048MiB or 512MB")
     value = int(float(match.group(1)) * _BYTE_UNITS[unit])

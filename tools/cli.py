@@ -157,6 +157,8 @@ def _bench_suite(args: argparse.Namespace) -> int:
         print("\n".join(markdown_table(["phase", "name", "what", "planned min (H100)", "skipped (why)"], rows, right={0, 3})))
         return 0
     if args.collect:
+        if not args.out.is_dir():
+            raise UserError(f"--out {args.out}: no such folder; --collect reads the phases a suite wrote into --out")
         write_suite(args.out)
         print(f"wrote {args.out / 'suite.md'} and {args.out / 'suite.json'} from the phases in {args.out}")
         return 0
@@ -179,6 +181,27 @@ def _sizes(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of pixel sizes, e.g. 512,1024,2048") from None
+
+
+def _output_file(text: str) -> Path:
+    """A file a command writes when it ends: checked, and its folder made, before the command runs, so
+    that a long run never ends in a path error that loses what it measured."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name in it, e.g. {path / 'result.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot make the folder of {text}: {error.strerror}") from None
+    return path
+
+
+def _output_folder(text: str) -> Path:
+    """A folder a command writes into (made by the command): refused up front where a file stands."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder; give a folder (it is made if missing)")
+    return path
 
 
 def _offload_mb(text: str) -> int | None:
@@ -317,8 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CLASS_OR_TITLE.INPUT=VALUE",
         help="override an input on every matching node; repeatable",
     )
-    run.add_argument("--report-json", type=Path, help="write the JSON report here too")
-    run.add_argument("--out", type=Path, help="output folder for images and reports (default: ComfyUI's output)")
+    run.add_argument("--report-json", type=_output_file, help="write the JSON report here too")
+    run.add_argument("--out", type=_output_folder, help="output folder for images and reports (default: ComfyUI's output)")
     _add_gpu_memory_options(run)
     run.set_defaults(handler=_run)
 
@@ -344,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts before the warm RSS reading: torch's one-time set-up for each new mix of Compile and "
         "weight dtypes lands in them"))
     soak.add_argument("--prompt-timeout", type=float, default=600.0, metavar="SECONDS", help="a prompt not ended by then counts as failed")
-    soak.add_argument("--json", type=Path, help="also write the result, every prompt's chain and error, as JSON")
+    soak.add_argument("--json", type=_output_file, help="also write the result, every prompt's chain and error, as JSON")
     soak.set_defaults(handler=_soak, model=None)
 
     bench = commands.add_parser("bench", help="micro-benchmarks")
@@ -357,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
     attention.add_argument("--backends", nargs="+", help="default: every backend available here")
     attention.add_argument("--repeats", type=int, default=3)
-    attention.add_argument("--json", type=Path, help="write the rows as JSON")
+    attention.add_argument("--json", type=_output_file, help="write the rows as JSON")
     attention.set_defaults(handler=_bench_attention)
     unet = bench_kinds.add_parser(
         "unet", help="UNet latency, memory and error per weight dtype through SDOptPrecision, inside ComfyUI, vs fp32"
@@ -382,10 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(Precision's fp8 matmuls with fp8_e4m3fn weights, eager, and compiled and graphed), fp8_e4m3fn_fast (ComfyUI's own "
         "fp8 fast path, as Load Diffusion Model loads it), and diffusers and "
         "diffusers+compile (diffusers' own UNet and pipeline on the same weights: fp16, SDPA, channels-last, torch.compile max-autotune)"))
-    speed.add_argument("--plot", type=Path, help="write a bar chart (PNG)")
+    speed.add_argument("--plot", type=_output_file, help="write a bar chart (PNG)")
     speed.add_argument("--profile", action="store_true",
                        help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels")
-    speed.add_argument("--trace-dir", type=Path, help="keep each profiled prompt as a Perfetto trace, RUNG.trace.json.gz (implies --profile)")
+    speed.add_argument("--trace-dir", type=_output_folder, help="keep each profiled prompt as a Perfetto trace, RUNG.trace.json.gz (implies --profile)")
     speed.add_argument("--isolate", action="store_true", help=(
         "each rung in a fresh process beside a stock run of its own, with empty compiler caches: cold compile "
         "times that do not depend on the rungs' order (one model load per rung)"))
@@ -406,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="on a GPU, also run the cells the planner predicts out of memory (on a CPU they are never run)")
     resolutions.add_argument("--against-uncapped", action="store_true", help=(
         "before each size, run stock once more with --vram-cap lifted and compare both stacks' images with it"))
-    resolutions.add_argument("--plot", type=Path, help="write a heatmap (PNG)")
+    resolutions.add_argument("--plot", type=_output_file, help="write a heatmap (PNG)")
     _add_comfyui_bench_options(resolutions)
     resolutions.set_defaults(handler=_bench_resolutions)
     vae = bench_kinds.add_parser(
@@ -421,21 +444,21 @@ def build_parser() -> argparse.ArgumentParser:
     vae.add_argument("--model", choices=SIZES, default="full",
                      help="whose VAE, with the weights make-model writes (mini and full: SD1.5's; sdxl-mini: SDXL's, fp16-overflowing)")
     vae.add_argument("--seed", type=int, default=0)
-    vae.add_argument("--json", type=Path, help="write the rows as JSON")
+    vae.add_argument("--json", type=_output_file, help="write the rows as JSON")
     vae.set_defaults(handler=_bench_vae)
 
     suite = bench_kinds.add_parser("suite", help=(
         "everything a GPU must show, phase by phase, each in its own process: tests/gpu, doctor, bench speed (SD1.5 ladder, "
         "competitors, SDXL), attention, VAE with an injected OOM retry, resolutions under 8/4/2 GiB, offload, step caches, "
         "Flux under a 12 GiB cap, diffusers+compile"))
-    suite.add_argument("--out", type=Path, required=True, help="folder for each phase's JSON, markdown section and plots, and suite.md")
+    suite.add_argument("--out", type=_output_folder, required=True, help="folder for each phase's JSON, markdown section and plots, and suite.md")
     suite.add_argument("--phase", type=int, action="append", help="run only this phase (repeatable, run in the order given; --list shows them)")
     suite.add_argument("--model", help="the SD1.5 model of the speed, resolution and offload phases (default full; mini with --dry-run)")
     suite.add_argument("--sdxl-model", default="sdxl-full", help="the SDXL model of the speed-sdxl phase")
     suite.add_argument("--dry-run", action="store_true", help="the same plan at tiny sizes on a CPU, leaving out what takes minutes there")
     suite.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     suite.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
-    suite.add_argument("--archive", type=Path, help="also keep a .tar.gz of --out, rewritten after each phase")
+    suite.add_argument("--archive", type=_output_file, help="also keep a .tar.gz of --out, rewritten after each phase")
     suite.add_argument("--time-limit", type=float, default=SUITE_LIMIT_S, metavar="SECONDS", help=(
         "this run's limit (default the suite's 40 min): a phase that would pass it is skipped, the running one stopped at it"))
     _add_memory_mode(suite)
@@ -455,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32", help="weights and activations")
     plan.add_argument("--workspace", choices=("cpu", "cuda", "none"), default="cpu", help="whose hidden kernel temporaries to add")
     plan.add_argument("--no-search", action="store_true", help="skip the search for the largest square that fits")
-    plan.add_argument("--json", type=Path, help="write the plan as JSON")
+    plan.add_argument("--json", type=_output_file, help="write the plan as JSON")
     plan.add_argument("--check", action="store_true", help=(
         "instead of a plan: the predicted peaks of the CPU accuracy cases (full VAE decode 512-2048, mini UNet step "
         "512 and 1024, sdxl-mini UNet step 512-2048, every stage of sd35-mini and flux-mini) against real runs, "
@@ -468,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help=(
         "try what sdopt needs here, one tiny run each (device, dtypes, attention backends, inductor, CUDA graphs, ComfyUI, "
         "compile cache, each node's modes): the result, and the fix for what does not work; exit status 1 when a check failed"))
-    doctor.add_argument("--json", type=Path, help="also write the rows as JSON, one object per check")
+    doctor.add_argument("--json", type=_output_file, help="also write the rows as JSON, one object per check")
     doctor.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     doctor.add_argument("--no-comfyui", action="store_true", help="leave ComfyUI out")
     doctor.add_argument("--device", help="default: ComfyUI's device, else cuda when present, else cpu")
@@ -507,7 +530,7 @@ def _add_comfyui_bench_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="mini", help=f"{', '.join(_COMFYUI_MODELS)} (generated once) or a checkpoint file")
     parser.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     parser.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON")
+    parser.add_argument("--json", type=_output_file, help="write the rows as JSON")
     _add_gpu_memory_options(parser)
 
 

@@ -1,10 +1,11 @@
 """``python -m sdopt serve``: a ComfyUI server on localhost with this pack installed and the models offered.
 
 It links the pack into ``<comfyui>/custom_nodes/sdopt`` (the way a user installs it, so ComfyUI
-serves ``web/`` and lists ``workflows/`` in its Templates dialog), writes an ``extra_model_paths.yaml``
-that offers every model folder under ``<models>`` (``checkpoints``, and ``text_encoders``, ``loras``
-and the others where they exist) to ComfyUI, and starts ComfyUI's own ``main.py``
-with the Python running this. The browser tests start their server with the same ``serve``.
+serves ``web/`` and lists ``workflows/`` in its Templates dialog), writes a model-paths file of its own,
+``sdopt_model_paths.yaml``, that offers every model folder under ``<models>`` (``checkpoints``, and
+``text_encoders``, ``loras`` and the others where they exist) to ComfyUI, and starts ComfyUI's own
+``main.py`` with the Python running this, handing it that file. ComfyUI's own
+``extra_model_paths.yaml`` is never written: it is the user's, and ComfyUI reads it as well. The browser tests start their server with the same ``serve``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from ..errors import UserError
 
 PACK = Path(__file__).resolve().parents[1]
 LINK_NAME = "sdopt"
+MODEL_PATHS = "sdopt_model_paths.yaml"
+_MODEL_PATHS_MARK = "# written by python -m sdopt serve"
 
 
 def install_pack(comfyui: Path) -> Path:
@@ -51,9 +54,10 @@ def install_pack(comfyui: Path) -> Path:
 
 
 def write_model_paths(models: Path, config_dir: Path | None = None) -> Path:
-    """The extra_model_paths.yaml offering ``<models>/checkpoints`` and every other folder in
-    ``models`` under its own name (ComfyUI's model kinds: ``text_encoders`` holds the Flux minis' CLIP,
-    ``loras`` the generated LoRAs), in config_dir (default $SDOPT_HOME, else the models folder's parent)."""
+    """The model-paths file (ComfyUI's extra_model_paths format) offering ``<models>/checkpoints`` and
+    every other folder in ``models`` under its own name (ComfyUI's model kinds: ``text_encoders`` holds
+    the Flux minis' CLIP, ``loras`` the generated LoRAs), in config_dir (default $SDOPT_HOME, else the
+    models folder's parent); a file of that name that serve did not write is an error, never replaced."""
     checkpoints = Path(models).resolve() / "checkpoints"
     if not checkpoints.is_dir():
         raise UserError(
@@ -63,11 +67,14 @@ def write_model_paths(models: Path, config_dir: Path | None = None) -> Path:
     home = os.environ.get("SDOPT_HOME")
     folder = Path(config_dir or (home if home else Path(models).resolve().parent)).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "extra_model_paths.yaml"
+    path = folder / MODEL_PATHS
+    if path.exists() and not path.read_text(errors="replace").startswith(_MODEL_PATHS_MARK):
+        raise UserError(f"{path} exists and was not written by sdopt serve: move it away (or set SDOPT_HOME to "
+                        "another folder for serve's file), then run again")
     # A JSON string is a valid YAML scalar: paths with spaces or colons survive.
     kinds = "".join(f"  {json.dumps(folder.name)}: {json.dumps(str(folder))}\n"
                     for folder in sorted(checkpoints.parent.iterdir()) if folder.is_dir())
-    path.write_text(f"# written by python -m sdopt serve\nsdopt:\n{kinds}")
+    path.write_text(f"{_MODEL_PATHS_MARK}\nsdopt:\n{kinds}")
     return path
 
 
@@ -100,8 +107,8 @@ def serve(comfyui: Path, models: Path, port: int, listen: str = "127.0.0.1", *, 
     """Start ComfyUI with sdopt (not waiting for it to answer); ``extra_args`` go to main.py as they are,
     e.g. ``["--output-directory", DIR]``. ``die_with_parent``: on Linux, the server is stopped when
     this process dies, even killed (a test run, a soak), rather than holding its port."""
-    install_pack(comfyui)
     config = write_model_paths(models, config_dir)
+    install_pack(comfyui)
     command = server_command(comfyui, config, port, listen, extra_args)
     if die_with_parent and sys.platform == "linux":
         popen_kwargs["preexec_fn"] = _die_with_parent

@@ -31,16 +31,21 @@ PREDICTION_TOLERANCE = 0.20
 
 @pytest.mark.parametrize("text, expected", [
     ("8GiB", 8 * 2**30), ("2048MiB", 2048 * MiB), ("512MB", 512 * 10**6), ("1.5G", int(1.5 * 2**30)),
-    ("4096", 4096), (" 2 gib ", 2 * 2**30), ("64k", 64 * 1024),
+    ("4096B", 4096), (" 2 gib ", 2 * 2**30), ("64k", 64 * 1024),
 ])
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "eight", "8 parsecs", "-1GiB", "0MiB", "1e3", "GiB"])
+@pytest.mark.parametrize("text", ["", "eight", "8 parsecs", "-1GiB", "0MiB", "1e3", "GiB", "8"])
 def test_parse_bytes_rejects_with_the_option_name(text):
     with pytest.raises(UserError, match="--budget"):
         parse_bytes(text, "--budget")
+
+
+def test_a_size_without_a_unit_is_refused_with_the_units_to_write():
+    with pytest.raises(UserError, match="--vram-cap: '8' has no unit; write e.g. 8GiB or 8MiB"):
+        parse_bytes("8", "--vram-cap")
 
 
 def test_live_bytes_counts_new_storages_frees_and_workspace():

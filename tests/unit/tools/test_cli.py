@@ -44,6 +44,33 @@ def test_unknown_subcommand_is_argparse_usage(capsys):
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize("argv, fault", [
+    (["bench", "attention", "--json", "{tmp}"], "is a folder; give a file name in it"),
+    (["plan", "--model", "mini", "--json", "{tmp}"], "is a folder; give a file name in it"),
+    (["run", BASELINE, "--out", "{tmp}/a-file"], "is a file, not a folder"),
+    (["bench", "suite", "--out", "{tmp}/a-file"], "is a file, not a folder"),
+    (["run", BASELINE, "--report-json", "{tmp}/a-file/report.json"], "cannot make the folder of"),
+])
+def test_an_output_path_that_cannot_be_written_stops_the_command_before_it_runs(capsys, tmp_path, argv, fault):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.replace("{tmp}", str(tmp_path)) for arg in argv])
+    assert exit_info.value.code == 2 and fault in capsys.readouterr().err
+    assert "comfy" not in sys.modules
+
+
+def test_an_output_file_gets_its_folder_before_the_command_runs(capsys, tmp_path):
+    target = tmp_path / "new" / "deeper" / "rows.json"
+    assert main(["bench", "attention", "--device", "cpu", "--tokens", "64", "--heads", "1", "--head-dim", "8",
+                 "--backends", "sdpa", "--repeats", "1", "--json", str(target)]) == 0
+    assert json.loads(target.read_text())[0]["backend"] == "sdpa"
+
+
+def test_collecting_a_suite_from_a_missing_folder_names_the_option(capsys, tmp_path):
+    err = _one_line_error(capsys, ["bench", "suite", "--out", str(tmp_path / "none"), "--collect"])
+    assert "--out" in err and "no such folder" in err
+
+
 def _cache_entry(root, key, cold_seconds):
     """An entry as sdopt writes it: meta.json carries its mark and its own key."""
     (root / key).mkdir()
