@@ -8,7 +8,7 @@ import json
 import os
 
 from ..tools.doctor import CHECKS, comfyui_device, comfyui_info, doctor_table, run_checks, summary
-from . import prompt_context
+from . import glue, prompt_context
 
 NODE = "SDOptDoctor"
 EVENT = "sdopt.doctor"
@@ -45,11 +45,10 @@ class SDOptDoctor:
 
     def examine(self, filename_prefix, unique_id=None):
         import comfy.utils
-        import folder_paths
 
+        folder, name, counter, subfolder = glue.output_file_base(filename_prefix)
         bar = comfy.utils.ProgressBar(len(CHECKS))
         rows = run_checks(comfyui_device(), comfyui_info(_comfyui_root(), in_server=True), lambda _name: bar.update(1))
-        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory())
         path = os.path.join(folder, f"{name}_{counter:05}_.json")
         with open(path, "w") as file:
             json.dump([row.to_dict() for row in rows], file, indent=2)

@@ -7,8 +7,9 @@
 - **Records**: ``record_model``/``record_vae`` file a node's record on the clone or VAE copy it
   returns; the profiler copies a model's records into each run, and a patched VAE files its own
   into the prompt on every decode/encode, so records survive nodes that ComfyUI serves from cache.
-- **Inputs**: ``check_inputs`` holds a node's values to what its ``INPUT_TYPES`` promises, and
-  ``fall_back_or_raise`` turns a technique's ``Unavailable`` into the node's ``on_unavailable`` choice.
+- **Inputs**: ``check_inputs`` holds a node's values to what its ``INPUT_TYPES`` promises,
+  ``fall_back_or_raise`` turns a technique's ``Unavailable`` into the node's ``on_unavailable`` choice,
+  and ``output_file_base`` keeps a ``filename_prefix`` inside ComfyUI's output folder.
 - **Private model copies**: ``private_copy`` gives a diffusion model its own converted weights
   and a patcher that carries the input's patches, options, wrappers and callbacks; the weights are
   converted from those the model had before any sdopt copy, so chained copies round once.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import inspect
+import os
 import sys
 import types
 import uuid
@@ -195,6 +197,20 @@ def _input_problem(kind, options: dict, value) -> str | None:
     if "max" in options and value > options["max"]:
         return f"{value} is above its maximum (give {options['max']} or less)"
     return None
+
+
+def output_file_base(filename_prefix: str) -> tuple[str, str, int, str]:
+    """(folder, name, counter, subfolder) of the next file a node saves under ``filename_prefix`` in
+    ComfyUI's output folder. A prefix that leaves that folder is ``filename_prefix``'s error, raised
+    before ComfyUI's own check would log its refusal and raise a bare Exception."""
+    import folder_paths
+
+    output = os.path.abspath(folder_paths.get_output_directory())
+    folder = os.path.abspath(os.path.join(output, os.path.dirname(os.path.normpath(filename_prefix))))
+    if os.path.commonpath((output, folder)) != output:
+        raise UserError(f"filename_prefix: {filename_prefix!r} leaves ComfyUI's output folder; give a path inside it, "
+                        "e.g. sdopt/profile")
+    return folder_paths.get_save_image_path(filename_prefix, output)[:4]
 
 
 def check_inputs(node_class, **values) -> None:

@@ -79,10 +79,8 @@ class SDOptProfileReport:
         glue.check_inputs(SDOptProfileReport, filename_prefix=filename_prefix)
         if images is None and latent is None:
             raise UserError("images: connect 'images' (from VAEDecode) or 'latent' (from the sampler) so the report runs after sampling")
-        import folder_paths
-
+        folder, name, counter, subfolder = glue.output_file_base(filename_prefix)
         report = build_report(prompt_context.current_prompt_id(), str(unique_id), prompt)
-        folder, name, counter, subfolder, _ = folder_paths.get_save_image_path(filename_prefix, folder_paths.get_output_directory())
         base = f"{name}_{counter:05}_"
         chart = report.save_chart(os.path.join(folder, base + ".png"))
         report.save_json(os.path.join(folder, base + ".json"))

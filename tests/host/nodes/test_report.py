@@ -89,6 +89,17 @@ def test_report_needs_images_or_latent(comfy_host):
         comfy_host.nodes[NODE]().report("sdopt/profile")
 
 
+@pytest.mark.parametrize("node, call", [
+    (NODE, lambda node, prefix: node.report(prefix, latent={"samples": None})),
+    ("SDOptDoctor", lambda node, prefix: node.examine(prefix)),
+])
+@pytest.mark.parametrize("prefix", ["../escape", "sdopt/../../escape", "/tmp/escape"])
+def test_a_prefix_that_leaves_the_output_folder_is_the_inputs_error(comfy_host, node, call, prefix):
+    UserError = comfy_host.pack("errors").UserError
+    with pytest.raises(UserError, match=r"^filename_prefix: .* leaves ComfyUI's output folder; give a path inside it"):
+        call(comfy_host.nodes[node](), prefix)
+
+
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
 def test_the_report_names_the_model_family_of_each_run(comfy_host, family):
     host = comfy_host.family(family)
