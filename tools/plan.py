@@ -560,6 +560,9 @@ def run_plan(args) -> None:
         if args.model is not None and not any(case[0] == args.model for case in CHECK_CASES):
             raise UserError(f"--check --model {args.model!r}: the checked models are "
                             f"{', '.join(dict.fromkeys(case[0] for case in CHECK_CASES))}")
+        if not cases:
+            smallest = min(case[2] for case in CHECK_CASES if args.model in (None, case[0]))
+            raise UserError(f"--max-size {args.max_size}: it leaves out every case; the smallest checked size is {smallest}")
         if args.workspace == "cuda" and not torch.cuda.is_available():
             raise UserError("--check --workspace cuda measures on a GPU, and torch sees none here; "
                             "leave --workspace out to check the CPU model on this CPU")

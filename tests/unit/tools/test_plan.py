@@ -207,6 +207,8 @@ def test_check_takes_the_cases_of_one_model(capsys, monkeypatch):
     assert [(model, stage) for model, stage, _ in asked] == [("sdxl-mini", UNET_STEP)] * 3
     assert sorted(size for *_, size in asked) == [512, 1024, 2048]
     assert "the checked models are mini, full, sdxl-mini, sd35-mini, flux-mini" in _one_line_error(capsys, ["plan", "--check", "--model", "sdxl-full"])
+    assert "--max-size 10: it leaves out every case; the smallest checked size is 512" in _one_line_error(
+        capsys, ["plan", "--check", "--max-size", "10"])
 
 
 def test_check_on_the_gpu_needs_one(capsys, monkeypatch):
