@@ -23,24 +23,70 @@ PRIMITIVE_TYPE = "PrimitiveNode"
 BOOLEAN_TEXT = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 MODE_MUTED = 2
 MODE_BYPASSED = 4
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Text chunks of a PNG saved by ComfyUI, in the order they are read: the UI workflow keeps titles and muted nodes.
+PNG_WORKFLOW_CHUNKS = ("workflow", "prompt")
 _UNCONNECTED = object()
 
 
 def load_workflow(path: str | Path) -> dict:
-    """Read a workflow file; bad paths and bad JSON raise a one-line ``UserError``."""
+    """Read a workflow file, JSON or a PNG saved by ComfyUI; bad paths and contents raise a one-line ``UserError``."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"workflow file {path} does not exist: check the path")
+    content = path.read_bytes()
+    json_source = str(path)
+    if content.startswith(PNG_SIGNATURE):
+        chunk, content = _png_workflow_text(path)
+        json_source = f'{path} (its "{chunk}" text chunk)'
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        # From bytes, json reads UTF-8 with or without the BOM that Windows editors write, and PowerShell's UTF-16.
+        data = json.loads(content)
+    except UnicodeDecodeError:
+        raise UserError(
+            f"{path} is neither a JSON workflow nor a PNG saved by ComfyUI: export the workflow from ComfyUI "
+            "(Workflow > Export, or Export (API)) and run that file"
+        ) from None
     except json.JSONDecodeError as error:
         raise UserError(
-            f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}): "
+            f"{json_source} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}): "
             "export the workflow again from ComfyUI"
         ) from None
     if not isinstance(data, dict) or not (is_ui_format(data) or is_api_format(data)):
         raise UserError(f"{path} is neither a ComfyUI UI workflow nor an API prompt: export it again from ComfyUI")
+    if is_api_format(data):
+        _check_api_links(data)
     return data
+
+
+def _png_workflow_text(path: Path) -> tuple[str, str]:
+    """(chunk name, text) of the workflow that ComfyUI embeds in a PNG: the UI workflow, else the API prompt."""
+    from PIL import Image  # Pillow comes with ComfyUI; only PNG workflows need it
+
+    try:
+        with Image.open(path) as image:
+            chunks = image.text  # every text chunk, also those after the image data
+    except (OSError, SyntaxError) as error:
+        raise UserError(f"{path} is a PNG that cannot be read ({error}): save the image from ComfyUI again") from None
+    for name in PNG_WORKFLOW_CHUNKS:
+        if name in chunks:
+            return name, chunks[name]
+    raise UserError(
+        f'{path} is a PNG without a ComfyUI workflow (no "workflow" or "prompt" text chunk; sites that re-encode '
+        "images drop it): use the PNG as ComfyUI's Save Image wrote it, or export the workflow as JSON from ComfyUI"
+    )
+
+
+def _check_api_links(prompt: dict) -> None:
+    """A link to a node the prompt lacks is a ``UserError`` naming the input; ComfyUI's error names only the node."""
+    for node_id, node in prompt.items():
+        for name, value in (node.get("inputs") or {}).items():
+            # ComfyUI's shape of a link: [source node id, output slot], node ids being strings.
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0] not in prompt:
+                raise UserError(
+                    f"node {node_id} ({node['class_type']}) input {name} links to node {value[0]}, which is not in "
+                    "the workflow: connect the input to an existing node in ComfyUI and export the prompt again"
+                )
 
 
 def is_ui_format(data: dict) -> bool:
@@ -58,12 +104,15 @@ def _spec_parts(spec) -> tuple:
     return kind, options
 
 
+def _takes_value(spec) -> bool:
+    """Whether an input spec takes a value (a widget's type) rather than only a link from another node's output."""
+    kind, _options = _spec_parts(spec)
+    return isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES
+
+
 def _is_widget(spec) -> bool:
     """Whether an input spec is drawn as a widget (and so has a slot in widgets_values)."""
-    kind, options = _spec_parts(spec)
-    if options.get("forceInput"):
-        return False
-    return isinstance(kind, (list, tuple)) or kind in WIDGET_TYPES
+    return not _spec_parts(spec)[1].get("forceInput") and _takes_value(spec)
 
 
 def widget_names(definition: dict) -> list[str]:
@@ -97,16 +146,39 @@ class _Link:
     type: str
 
 
-def ui_to_api(workflow: dict, definitions: dict) -> dict:
-    """Convert a UI-format workflow to an API prompt, as the ComfyUI frontend does on queue."""
-    nodes = {node["id"]: node for node in workflow["nodes"]}
+def _nodes_by_id(workflow: dict) -> dict:
+    nodes = {}
+    for position, node in enumerate(workflow["nodes"], start=1):
+        if not isinstance(node, dict) or "id" not in node:
+            raise UserError(f"entry {position} of the workflow's nodes has no id: export the workflow again from ComfyUI")
+        if "type" not in node:
+            raise UserError(
+                f'node {node["id"]} has no "type" (its node class, such as "KSampler"): add it or delete the node'
+            )
+        nodes[node["id"]] = node
+    return nodes
+
+
+def _links_by_id(workflow: dict) -> dict:
     links = {}
-    for entry in workflow["links"]:
-        if isinstance(entry, dict):
+    for position, entry in enumerate(workflow["links"], start=1):
+        if isinstance(entry, dict) and {"id", "origin_id", "origin_slot", "type"} <= entry.keys():
             links[entry["id"]] = _Link(entry["origin_id"], entry["origin_slot"], entry["type"])
-        else:
+        elif isinstance(entry, list) and len(entry) >= 6:
             link_id, source, slot, _target, _target_slot, link_type = entry[:6]
             links[link_id] = _Link(source, slot, link_type)
+        else:
+            raise UserError(
+                f"entry {position} of the workflow's links is not [id, origin node, origin slot, target node, "
+                "target slot, type]: export the workflow again from ComfyUI"
+            )
+    return links
+
+
+def ui_to_api(workflow: dict, definitions: dict) -> dict:
+    """Convert a UI-format workflow to an API prompt, as the ComfyUI frontend does on queue."""
+    nodes = _nodes_by_id(workflow)
+    links = _links_by_id(workflow)
 
     unknown = sorted(
         {
@@ -118,19 +190,29 @@ def ui_to_api(workflow: dict, definitions: dict) -> dict:
     if unknown:
         raise UserError(unknown_types_message(unknown))
 
-    def resolve(link_id: int):
+    def resolve(link_id: int, target_id: int):
         """Follow reroutes and bypassed nodes back to a real output ``[id, slot]``, or a primitive's value."""
+        if link_id not in links:
+            raise UserError(
+                f"node {target_id} ({nodes[target_id]['type']}) is connected by link {link_id}, which is not in "
+                "the workflow's links: reconnect the node's inputs in ComfyUI and save again"
+            )
         link = links[link_id]
+        if link.source not in nodes:
+            raise UserError(
+                f"link {link_id} comes from node {link.source}, which is not in the workflow: "
+                "reconnect or delete the link in ComfyUI and save again"
+            )
         source = nodes[link.source]
         if source["type"] == REROUTE_TYPE:
-            upstream = source["inputs"][0].get("link")
-            return resolve(upstream) if upstream is not None else _UNCONNECTED
+            upstream = (source.get("inputs") or [{}])[0].get("link")
+            return resolve(upstream, link.source) if upstream is not None else _UNCONNECTED
         if source["type"] == PRIMITIVE_TYPE:
             return (source.get("widgets_values") or [None])[0]
         if source.get("mode") == MODE_BYPASSED:
             for entry in source.get("inputs", []):
                 if entry.get("link") is not None and entry.get("type") == link.type:
-                    return resolve(entry["link"])
+                    return resolve(entry["link"], link.source)
             return _UNCONNECTED
         if source.get("mode") == MODE_MUTED:
             return _UNCONNECTED
@@ -144,7 +226,7 @@ def ui_to_api(workflow: dict, definitions: dict) -> dict:
         for entry in node.get("inputs", []):
             if entry.get("link") is None:
                 continue
-            value = resolve(entry["link"])
+            value = resolve(entry["link"], node_id)
             if value is not _UNCONNECTED:
                 inputs[entry["name"]] = value
         api_node = {"class_type": node["type"], "inputs": inputs}
@@ -196,6 +278,12 @@ def apply_overrides(prompt: dict, overrides: list[str], definitions: dict) -> di
                 raise UserError(
                     f"--set {text!r}: {node['class_type']} has no input {name!r} "
                     f"(its inputs: {', '.join(known) or 'none'})"
+                )
+            if not _takes_value(known[name]):
+                widgets = ", ".join(input_name for input_name, spec in known.items() if _takes_value(spec))
+                raise UserError(
+                    f"--set {target}.{name}: {name} is a link ({_spec_parts(known[name])[0]}), not a widget; "
+                    f"--set takes widget inputs ({node['class_type']}'s: {widgets or 'none'})"
                 )
             node["inputs"][name] = typed_value(f"{target}.{name}", known[name], value, text.partition("=")[2])
     return prompt

@@ -271,3 +271,113 @@ def test_other_validation_errors_name_node_and_input():
         "extra_info": {"input_name": "steps", "received_value": 0},
     }
     assert validation_message("3", "KSampler", reason, []) == "node 3 KSampler.steps: Value 0 smaller than min of 1: steps"
+
+
+def _png(path, **chunks):
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    for name, text in chunks.items():
+        info.add_text(name, text)
+    Image.new("RGB", (8, 8)).save(path, pnginfo=info)
+    return path
+
+
+def test_png_saved_by_comfyui_gives_its_ui_workflow(tmp_path, baseline):
+    prompt = {"1": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}}
+    png = _png(tmp_path / "shared.png", prompt=json.dumps(prompt), workflow=BASELINE.read_text())
+    assert load_workflow(png) == baseline
+
+
+def test_png_without_ui_workflow_gives_its_api_prompt(tmp_path):
+    prompt = {"1": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}}
+    assert load_workflow(_png(tmp_path / "api.png", prompt=json.dumps(prompt))) == prompt
+
+
+def test_png_without_workflow_chunks_is_one_line(tmp_path):
+    png = _png(tmp_path / "photo.png", Description="a cat")
+    with pytest.raises(UserError, match=r'photo.png is a PNG without a ComfyUI workflow \(no "workflow" or "prompt"') as error:
+        load_workflow(png)
+    assert "\n" not in str(error.value)
+
+
+def test_png_with_broken_workflow_chunk_names_the_chunk(tmp_path):
+    png = _png(tmp_path / "broken.png", workflow='{"nodes": [')
+    with pytest.raises(UserError, match=r'broken.png \(its "workflow" text chunk\) is not valid JSON'):
+        load_workflow(png)
+
+
+def test_truncated_png_is_one_line(tmp_path):
+    png = _png(tmp_path / "half.png", workflow=BASELINE.read_text())
+    png.write_bytes(png.read_bytes()[:20])
+    with pytest.raises(UserError, match=r"half.png is a PNG that cannot be read \(.+\): save the image from ComfyUI again"):
+        load_workflow(png)
+
+
+def test_file_neither_json_nor_png_is_one_line(tmp_path):
+    from PIL import Image
+
+    jpeg = tmp_path / "preview.jpg"
+    Image.new("RGB", (8, 8)).save(jpeg)
+    with pytest.raises(UserError, match=r"preview.jpg is neither a JSON workflow nor a PNG saved by ComfyUI: export"):
+        load_workflow(jpeg)
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
+def test_workflow_with_a_byte_order_mark_loads(tmp_path, baseline, encoding):
+    windows = tmp_path / "windows.json"
+    windows.write_text(BASELINE.read_text(encoding="utf-8"), encoding=encoding)
+    assert load_workflow(windows) == baseline
+
+
+def test_api_link_to_a_missing_node_names_the_input(tmp_path):
+    prompt = {
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["99", 2]}},
+    }
+    api = tmp_path / "api.json"
+    api.write_text(json.dumps(prompt))
+    with pytest.raises(
+        UserError, match=r"^node 8 \(VAEDecode\) input vae links to node 99, which is not in the workflow: connect"
+    ):
+        load_workflow(api)
+    del prompt["8"]["inputs"]["vae"]
+    api.write_text(json.dumps(prompt))
+    assert load_workflow(api) == prompt
+
+
+def test_link_from_a_deleted_node_is_one_line(baseline, definitions):
+    baseline["nodes"] = [n for n in baseline["nodes"] if n["id"] != 4]
+    with pytest.raises(UserError, match=r"^link \d+ comes from node 4, which is not in the workflow: reconnect or delete"):
+        ui_to_api(baseline, definitions)
+
+
+def test_input_on_a_link_missing_from_links_is_one_line(baseline, definitions):
+    baseline["links"] = [l for l in baseline["links"] if l[0] != 9]
+    with pytest.raises(UserError, match=r"^node 8 \(VAEDecode\) is connected by link 9, which is not in the workflow's links"):
+        ui_to_api(baseline, definitions)
+
+
+def test_node_without_type_is_one_line(baseline, definitions):
+    del next(n for n in baseline["nodes"] if n["id"] == 5)["type"]
+    with pytest.raises(UserError, match=r'^node 5 has no "type" \(its node class'):
+        ui_to_api(baseline, definitions)
+
+
+@pytest.mark.parametrize("entry", [[9, 4, 2], {"id": 9, "origin_id": 4}, "9"])
+def test_malformed_link_entry_is_one_line(baseline, definitions, entry):
+    baseline["links"].append(entry)
+    with pytest.raises(UserError, match=rf"^entry {len(baseline['links'])} of the workflow's links is not \[id, origin node"):
+        ui_to_api(baseline, definitions)
+
+
+def test_override_of_a_link_input_is_refused(baseline, definitions):
+    prompt = ui_to_api(baseline, definitions)
+    with pytest.raises(UserError) as error:
+        apply_overrides(prompt, ["KSampler.model=foo"], definitions)
+    assert str(error.value) == (
+        "--set KSampler.model: model is a link (MODEL), not a widget; "
+        "--set takes widget inputs (KSampler's: seed, steps, cfg, sampler_name, scheduler, denoise)"
+    )
+    assert prompt["3"]["inputs"]["model"] == ["10", 0]
