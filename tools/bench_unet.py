@@ -169,8 +169,8 @@ def bench_unet(
 
     if repeats < 1 or batch < 1:
         raise UserError("--repeats and --batch must be >= 1")
-    if resolution % 64:
-        raise UserError(f"--resolution must be a multiple of 64, not {resolution}")
+    if resolution < 64 or resolution % 64:
+        raise UserError(f"--resolution must be a positive multiple of 64, not {resolution}")
     if low_memory_mb < 0:
         raise UserError(f"--low-memory must be a budget in MiB, or 0 for no low-memory row, not {low_memory_mb}")
     host = boot(comfyui, vram_cap)

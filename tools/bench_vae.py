@@ -146,7 +146,8 @@ def bench_vae(
     progress: bool = True,
 ) -> list[VAEBenchRow]:
     """For each size an untiled decode, then one tiled decode per ``keep_intermediates`` setting
-    (``no``, ``yes``, ``auto``), each in a fresh process; rows in that order."""
+    (``no``, ``yes``, ``auto``), each in a fresh process; rows in that order. ``auto`` decides by a
+    budget of ``budget_mb`` MiB, or of the free RAM where it is None (the CLI's ``--budget-mb 0``)."""
     from ..optim.tiled_vae import check_tile_inputs
 
     if not _PROC_CLEAR_REFS.exists():
@@ -162,6 +163,8 @@ def bench_vae(
     for size in sizes:
         if size < 64 or size % 64:
             raise UserError(f"--sizes: {size} px must be a multiple of 64")
+    if budget_mb is not None and budget_mb <= 0:
+        raise UserError(f"--budget-mb must be a positive number of MiB, not {budget_mb} (0, or none given, is the free RAM)")
     rows = []
     runs = [(size, keep) for size in sizes for keep in (None, *keep_intermediates)]
     with tempfile.TemporaryDirectory(prefix="sdopt-bench-vae-") as folder:

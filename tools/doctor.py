@@ -794,10 +794,34 @@ CHECKS: tuple[tuple[str, Callable[[Context], list[CheckRow]]], ...] = (
 )
 
 
+def _usable_device(device: torch.device | str) -> torch.device:
+    """``device`` (``--device``, or the device ComfyUI or ``default_device`` chose) as a torch device,
+    refused where torch cannot parse it or sees no such CUDA device here: every check would fail on it,
+    each with a fix for a problem that is not there."""
+    try:
+        usable = torch.device(device)
+    except RuntimeError as error:
+        raise UserError(f"--device {device!r} is not a device torch knows ({error}); give e.g. cpu, cuda or cuda:1") from None
+    if usable.type != "cuda":
+        return usable
+    if not torch.cuda.is_available():
+        gpu_build = (f"CUDA {torch.version.cuda}" if torch.version.cuda
+                     else f"ROCm {torch.version.hip}" if torch.version.hip else None)
+        why = f"built for {gpu_build} but finds no GPU" if gpu_build else "built without CUDA"
+        raise UserError(f"--device {usable}: torch sees no CUDA device here (torch {torch.__version__} {why}); "
+                        "drop --device to check this machine's CPU")
+    count = torch.cuda.device_count()
+    if usable.index is not None and usable.index >= count:
+        devices = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise UserError(f"--device {usable}: torch sees no such CUDA device here, only {devices}; give one of them or drop --device")
+    return usable
+
+
 def run_checks(device: torch.device | str, comfyui: ComfyInfo | None = None,
                progress: Callable[[str], None] | None = None) -> list[CheckRow]:
-    """Every check, in order; a check that raises becomes one failed row, and the others still run."""
-    ctx = Context(torch.device(device), comfyui)
+    """Every check, in order, on ``_usable_device(device)``; a check that raises becomes one failed
+    row, and the others still run."""
+    ctx = Context(_usable_device(device), comfyui)
     rows = []
     for name, check in CHECKS:
         if progress is not None:

@@ -689,6 +689,17 @@ def text_encoder_path(checkpoint: str | os.PathLike) -> Path:
     return root / "text_encoders" / f"{path.stem}-text.safetensors"
 
 
+def _checked_text_encoder_out(name: str, checkpoint: Path, text_encoder_out: str | os.PathLike | None) -> Path:
+    """Where model ``name``'s text encoder file goes (``text_encoder_out``, default beside
+    ``checkpoint``), refused where it is the checkpoint itself: the later write would replace it."""
+    path = _checked_out_path(text_encoder_out or text_encoder_path(checkpoint))
+    if path.resolve() == checkpoint.resolve():
+        example = str(text_encoder_path(checkpoint))
+        raise UserError(f"--text-encoder-out {str(path)!r} is the checkpoint's own path (--out): the checkpoint would "
+                        f"replace {name}'s text encoder; give the text encoder a file of its own, e.g. {example!r}")
+    return path
+
+
 def write_checkpoint(
     name: str, out: str | os.PathLike, *, seed: int = 0, dtype: str = "fp16", progress: bool = False,
     text_encoder_out: str | os.PathLike | None = None,
@@ -697,18 +708,25 @@ def write_checkpoint(
     file) and describe it. Peak memory is one tensor; the file appears only when complete.
 
     A family whose text encoders live apart (Flux) also gets its text encoder file, written first
-    to ``text_encoder_out`` (default ``text_encoder_path(out)``); the summary counts both files."""
+    to ``text_encoder_out`` (default ``text_encoder_path(out)``, never ``out`` itself); the summary counts
+    both files. Any other model refuses ``text_encoder_out``: its text encoders are in the checkpoint."""
     # sdopt_size holds the model name (SD1.5's are its bare sizes, so their files stay as they were).
     metadata = {"format": "pt", "sdopt_size": name, "sdopt_seed": str(seed), "sdopt_dtype": dtype}
     text_specs = separate_text_encoder_specs(name)
+    if not text_specs and text_encoder_out is not None:
+        family, _ = resolve_model(name)
+        raise UserError(f"--text-encoder-out: {name} ({family.title}) has no text encoder file of its own, its text "
+                        "encoders are inside the checkpoint; drop --text-encoder-out")
+    # Checked before the text encoder file is written: a refused checkpoint path must not leave it behind.
+    path = _checked_out_path(out)
     text_file = None
     if text_specs:
         text_file, text_specs = _write_safetensors(
-            text_specs, text_encoder_out or text_encoder_path(out), {**metadata, "sdopt_part": "text_encoders"},
+            text_specs, _checked_text_encoder_out(name, path, text_encoder_out), {**metadata, "sdopt_part": "text_encoders"},
             seed=seed, dtype=dtype, desc=f"sdopt {name} text encoder", progress=progress,
         )
     path, specs = _write_safetensors(
-        checkpoint_specs(name), out, metadata, seed=seed, dtype=dtype, desc=f"sdopt {name} checkpoint",
+        checkpoint_specs(name), path, metadata, seed=seed, dtype=dtype, desc=f"sdopt {name} checkpoint",
         progress=progress,
     )
     file_bytes = path.stat().st_size + (text_file.stat().st_size if text_file else 0)

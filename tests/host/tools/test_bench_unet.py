@@ -51,7 +51,7 @@ def test_cli_writes_json(comfy_host, tmp_path, capsys):
 
 def test_bad_resolution_is_a_user_error(comfy_host, capsys):
     assert main(["bench", "unet", "--comfyui", str(comfy_host.host.path), "--resolution", "72"]) == 2
-    assert "--resolution must be a multiple of 64" in capsys.readouterr().err
+    assert "--resolution must be a positive multiple of 64" in capsys.readouterr().err
 
 
 def test_sdxl_mini_rows_and_low_memory_equal_fp32(comfy_host, sdxl_checkpoint):

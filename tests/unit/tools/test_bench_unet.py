@@ -2,6 +2,8 @@
 low-memory row's budget and every row's working peak. The host tier runs the bench in ComfyUI."""
 import sys
 
+import pytest
+
 from sdopt.tools.bench_unet import UNetBenchRow, unet_table
 from sdopt.tools.cli import main
 
@@ -19,6 +21,14 @@ def test_negative_low_memory_budget_is_refused_before_comfyui_boots(capsys, tmp_
     assert main(["bench", "unet", "--comfyui", str(tmp_path), "--low-memory", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--low-memory must be a budget in MiB" in err and err.count("\n") == 1
+    assert "comfy" not in sys.modules
+
+
+@pytest.mark.parametrize("resolution", ["0", "-64", "72"])
+def test_a_resolution_short_of_a_positive_multiple_of_64_is_refused_before_comfyui_boots(capsys, tmp_path, resolution):
+    assert main(["bench", "unet", "--comfyui", str(tmp_path), "--resolution", resolution]) == 2
+    err = capsys.readouterr().err
+    assert f"--resolution must be a positive multiple of 64, not {resolution}" in err and err.count("\n") == 1
     assert "comfy" not in sys.modules
 
 

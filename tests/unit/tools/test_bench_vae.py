@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from sdopt.errors import UserError
+from sdopt.tools import bench_vae as bench_vae_module
 from sdopt.tools.bench_vae import TILED, UNTILED, VAEBenchRow, bench_vae, psnr, vae_table
+from sdopt.tools.cli import main
 
 # 8/16 channels, one residual block per level (plus the decoder's extra one), no mid-block
 # attention (65536 latent tokens at 2048 px would dominate the run).
@@ -59,10 +61,38 @@ def test_rows_round_trip_through_json_and_fill_the_table(rows):
     ({"sizes": [512], "tile": 100}, "--tile: 100 px is not a multiple of 8"),
     ({"sizes": [512], "keep_intermediates": ["maybe"]}, "--keep-intermediates 'maybe'"),
     ({"sizes": [512], "model": "huge"}, "--model 'huge'"),
+    ({"sizes": [64], "model": "mini", "budget_mb": -5}, "--budget-mb must be a positive number of MiB, not -5"),
+    ({"sizes": [64], "model": "mini", "budget_mb": 0}, "--budget-mb must be a positive number of MiB, not 0"),
 ])
 def test_bad_arguments_are_user_errors(kwargs, message):
     with pytest.raises(UserError, match=f"^{message}"):
         bench_vae(progress=False, **kwargs)
+
+
+@pytest.fixture
+def decodes(monkeypatch):
+    """The spec of every decode the bench asks a child process for; each "decodes" a black image at once."""
+    specs = []
+
+    def fake_child(spec):
+        specs.append(spec)
+        torch.save(torch.zeros(1, 3, spec["size"], spec["size"]), spec["out"])
+        return {"seconds": 1.0, "peak_rss_bytes": 2 * 2**20, "decode_rss_bytes": 2**20}
+
+    monkeypatch.setattr(bench_vae_module, "_run_child", fake_child)
+    return specs
+
+
+def test_the_cli_refuses_a_negative_budget_before_any_decode(decodes, capsys):
+    assert main(["bench", "vae", "--sizes", "64", "--model", "mini", "--budget-mb", "-5"]) == 2
+    err = capsys.readouterr().err
+    assert err == "sdopt: error: --budget-mb must be a positive number of MiB, not -5 (0, or none given, is the free RAM)\n"
+    assert decodes == []
+
+
+def test_the_cli_s_budget_0_is_the_free_ram(decodes):
+    assert main(["bench", "vae", "--sizes", "64", "--model", "mini", "--budget-mb", "0", "--keep-intermediates", "auto"]) == 0
+    assert [spec["budget_bytes"] for spec in decodes] == [None, None]
 
 
 def test_psnr_of_images_in_minus_one_to_one():

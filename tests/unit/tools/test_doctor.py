@@ -485,6 +485,63 @@ def test_cli_exits_1_when_a_check_failed(monkeypatch, tmp_path, capsys):
     assert "| device | failed |" in capsys.readouterr().out
 
 
+@pytest.fixture
+def checks_run(monkeypatch):
+    """The devices the (one, recording) check ran on."""
+    devices = []
+
+    def record(ctx):
+        devices.append(ctx.device)
+        return [CheckRow("device", "recorded the device", OK, str(ctx.device))]
+
+    monkeypatch.setattr(doctor, "CHECKS", (("device", record),))
+    return devices
+
+
+def _cli_error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("sdopt: error: "), err
+    return err[-1].removeprefix("sdopt: error: ")
+
+
+def test_cli_refuses_a_device_torch_cannot_parse(checks_run, capsys):
+    error = _cli_error(["doctor", "--no-comfyui", "--device", "foo"], capsys)
+    assert error.startswith("--device 'foo' is not a device torch knows (") and error.endswith("give e.g. cpu, cuda or cuda:1")
+    assert checks_run == []
+
+
+@pytest.mark.parametrize("cuda, hip, build", [("13.0", None, "built for CUDA 13.0 but finds no GPU"),
+                                              (None, "6.4", "built for ROCm 6.4 but finds no GPU"),
+                                              (None, None, "built without CUDA")])
+def test_cli_refuses_cuda_where_torch_sees_none_instead_of_failing_every_check(monkeypatch, checks_run, capsys, cuda, hip, build):
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        assert _cli_error(["doctor", "--no-comfyui", "--device", device], capsys) == (
+            f"--device {device}: torch sees no CUDA device here (torch {torch.__version__} {build}); "
+            "drop --device to check this machine's CPU")
+    assert checks_run == []
+
+
+def test_cli_refuses_a_cuda_index_past_the_gpus_torch_sees(monkeypatch, checks_run, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _cli_error(["doctor", "--no-comfyui", "--device", "cuda:1"], capsys) == (
+        "--device cuda:1: torch sees no such CUDA device here, only cuda:0; give one of them or drop --device")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert "only cuda:0 to cuda:1;" in _cli_error(["doctor", "--no-comfyui", "--device", "cuda:2"], capsys)
+    assert checks_run == []
+
+
+def test_the_node_s_torch_device_and_the_cli_s_text_run_the_checks(checks_run):
+    """SDOptDoctor passes ComfyUI's torch.device, the CLI its --device text."""
+    doctor.run_checks(CPU)
+    doctor.run_checks("cpu")
+    assert checks_run == [CPU, CPU]
+
+
 def test_a_node_check_that_raises_costs_only_its_own_rows(monkeypatch):
     def broken_graph_rows(ctx):
         raise RuntimeError("capture probe broke")

@@ -783,3 +783,43 @@ def test_cli_bad_out_exits_2_with_one_line(tmp_path, capsys, bad_out):
     assert err.startswith("sdopt: error: ")
     assert err.count("\n") == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["existing_dir"]
+
+
+def _files_under(folder: Path) -> list[Path]:
+    return [path for path in folder.rglob("*") if path.is_file()]
+
+
+@pytest.mark.parametrize("out, text_encoder_out, message", [
+    ("x/flux.ckpt", None, r"must end in \.safetensors"),
+    ("x", None, "is a folder"),
+    ("x/flux.safetensors", "x/text.bin", r"must end in \.safetensors"),
+    ("x/flux.safetensors", "x/flux.safetensors", "--text-encoder-out .* is the checkpoint's own path"),
+    ("x/flux.safetensors", "x/sub/../flux.safetensors", "--text-encoder-out .* is the checkpoint's own path"),
+])
+def test_flux_output_paths_are_checked_before_anything_is_written(tmp_path, out, text_encoder_out, message):
+    """A refused --out leaves no orphan text encoder file, and the text encoder is never written where
+    the checkpoint then replaces it (the paths are compared resolved)."""
+    (tmp_path / "x" / "sub").mkdir(parents=True)
+    with pytest.raises(UserError, match=message):
+        write_checkpoint("flux-tiny", tmp_path / out, text_encoder_out=text_encoder_out and tmp_path / text_encoder_out)
+    assert _files_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", ["tiny", "sdxl-tiny", "sd35-tiny"])
+def test_text_encoder_out_is_refused_for_a_model_whose_text_encoders_are_in_the_checkpoint(tmp_path, name):
+    with pytest.raises(UserError, match=f"^--text-encoder-out: {name} .*inside the checkpoint"):
+        write_checkpoint(name, tmp_path / "m.safetensors", text_encoder_out=tmp_path / "t.safetensors")
+    assert _files_under(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [
+    ["flux-tiny", "--out", "x/flux.ckpt"],
+    ["flux-tiny", "--out", "x/m.safetensors", "--text-encoder-out", "x/m.safetensors"],
+    ["tiny", "--out", "x/m.safetensors", "--text-encoder-out", "x/t.safetensors"],
+])
+def test_cli_make_model_refuses_bad_output_paths_with_one_line_and_writes_nothing(tmp_path, capsys, argv):
+    argv = [str(tmp_path / arg) if arg.startswith("x/") else arg for arg in argv]
+    assert cli.main(["make-model", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sdopt: error: ") and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()
