@@ -785,21 +785,26 @@ def lora_specs(name: str, rank: int) -> dict[str, TensorSpec]:
     """A rank-``rank`` LoRA for model ``name``: the diffusion model's layers (``_lora_diffusion_layers``),
     and in kohya's format ``lora_te_`` (one text encoder in the checkpoint) or ``lora_te1_``/``lora_te2_``
     (two, SDXL and SD3.5) + ``text_model_encoder_layers_<n>_<layer>`` in transformers' naming, OpenCLIP's
-    CLIP-G included. A text encoder in a file of its own (Flux) is not adapted."""
+    CLIP-G included. A text encoder in a file of its own (Flux) is not adapted. A rank past the
+    narrowest adapted layer's width is refused: it adds nothing there but file size."""
     if rank < 1:
         raise UserError(f"LoRA rank must be at least 1, got {rank}")
     cfg = checkpoint_config(name)
-    specs: dict[str, TensorSpec] = {}
-    for key, (out_features, in_features) in _lora_diffusion_layers(cfg.diffusion_model).items():
-        _lora_module(specs, key, out_features, in_features, rank)
+    layers = dict(_lora_diffusion_layers(cfg.diffusion_model))
     for index, text in enumerate(cfg.text_encoders):
         prefix = "lora_te" if len(cfg.text_encoders) == 1 else f"lora_te{index + 1}"
         shapes = {"mlp.fc1": (text.intermediate_size, text.hidden_size), "mlp.fc2": (text.hidden_size, text.intermediate_size)}
         for layer in range(text.num_hidden_layers):
             for module in _LORA_TEXT_LAYERS:
-                out_features, in_features = shapes.get(module, (text.hidden_size, text.hidden_size))
                 key = f"{prefix}_text_model_encoder_layers_{layer}_{module.replace('.', '_')}"
-                _lora_module(specs, key, out_features, in_features, rank)
+                layers[key] = shapes.get(module, (text.hidden_size, text.hidden_size))
+    narrowest = min(min(shape) for shape in layers.values())
+    if rank > narrowest:
+        raise UserError(f"--rank {rank}: {name}'s narrowest adapted layer is {narrowest} wide, and a rank past it adds "
+                        f"nothing but file size; give at most {narrowest}")
+    specs: dict[str, TensorSpec] = {}
+    for key, (out_features, in_features) in layers.items():
+        _lora_module(specs, key, out_features, in_features, rank)
     return specs
 
 

@@ -717,6 +717,13 @@ def test_write_lora_is_deterministic_and_changes_weights_by_half_their_scale(tmp
 def test_lora_rank_below_one_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="rank must be at least 1"):
         write_lora("tiny", tmp_path / "lora.safetensors", rank=0)
+
+
+def test_a_lora_rank_past_the_narrowest_layer_is_refused_before_writing(tmp_path):
+    assert lora_specs("tiny", 32), "tiny's layers are 32 wide at the narrowest"
+    with pytest.raises(UserError, match="^--rank 33: tiny's narrowest adapted layer is 32 wide.*give at most 32"):
+        write_lora("tiny", tmp_path / "lora.safetensors", rank=33)
+    assert list(tmp_path.iterdir()) == []
     assert list(tmp_path.iterdir()) == []
 
 
