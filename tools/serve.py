@@ -5,7 +5,8 @@ serves ``web/`` and lists ``workflows/`` in its Templates dialog), writes a mode
 ``sdopt_model_paths.yaml``, that offers every model folder under ``<models>`` (``checkpoints``, and
 ``text_encoders``, ``loras`` and the others where they exist) to ComfyUI, and starts ComfyUI's own
 ``main.py`` with the Python running this, handing it that file. ComfyUI's own
-``extra_model_paths.yaml`` is never written: it is the user's, and ComfyUI reads it as well. The browser tests start their server with the same ``serve``.
+``extra_model_paths.yaml`` is never written: it is the user's, and ComfyUI reads it as well. The
+browser tests start their server with the same ``serve``.
 """
 from __future__ import annotations
 
