@@ -20,6 +20,7 @@ from ..optim.attention import AttentionConfig, available, backend_function, back
 from ..optim.attention_auto import check_against_naive, time_attention
 from ..optim.heap_trim import trim_heap
 from ..optim.precision import COMPUTE_DTYPES, DTYPES
+from .doctor import usable_device
 from .progress import progress_bar
 
 SEED = 0
@@ -67,7 +68,7 @@ def bench_attention(
     backends get a row with the reason.
     """
     torch_dtype = _parse_dtype(dtype)
-    torch_device = parse_device(device)
+    torch_device = usable_device(device, instead="give --device cpu")
     names = list(backends) if backends else list(backend_names())
     for name in names:
         get_backend(name)
@@ -158,13 +159,3 @@ def _parse_dtype(dtype: str) -> torch.dtype:
     if dtype not in COMPUTE_DTYPES:
         raise UserError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, not {dtype!r}")
     return DTYPES[dtype]
-
-
-def parse_device(device: str) -> torch.device:
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"unknown device {device!r}; use cpu or cuda") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        raise UserError("CUDA is not available here; use --device cpu")
-    return parsed

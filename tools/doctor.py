@@ -794,10 +794,10 @@ CHECKS: tuple[tuple[str, Callable[[Context], list[CheckRow]]], ...] = (
 )
 
 
-def _usable_device(device: torch.device | str) -> torch.device:
-    """``device`` (``--device``, or the device ComfyUI or ``default_device`` chose) as a torch device,
-    refused where torch cannot parse it or sees no such CUDA device here: every check would fail on it,
-    each with a fix for a problem that is not there."""
+def usable_device(device: torch.device | str, instead: str = "drop --device to check this machine's CPU") -> torch.device:
+    """``device`` (a command's ``--device``, or the device ComfyUI or ``default_device`` chose) as a torch
+    device, refused where torch cannot parse it or sees no such CUDA device here, ``instead`` saying what
+    to do then: doctor's checks or a bench would each fail on it, with a fix for a problem that is not there."""
     try:
         usable = torch.device(device)
     except RuntimeError as error:
@@ -808,8 +808,7 @@ def _usable_device(device: torch.device | str) -> torch.device:
         gpu_build = (f"CUDA {torch.version.cuda}" if torch.version.cuda
                      else f"ROCm {torch.version.hip}" if torch.version.hip else None)
         why = f"built for {gpu_build} but finds no GPU" if gpu_build else "built without CUDA"
-        raise UserError(f"--device {usable}: torch sees no CUDA device here (torch {torch.__version__} {why}); "
-                        "drop --device to check this machine's CPU")
+        raise UserError(f"--device {usable}: torch sees no CUDA device here (torch {torch.__version__} {why}); {instead}")
     count = torch.cuda.device_count()
     if usable.index is not None and usable.index >= count:
         devices = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
@@ -819,9 +818,9 @@ def _usable_device(device: torch.device | str) -> torch.device:
 
 def run_checks(device: torch.device | str, comfyui: ComfyInfo | None = None,
                progress: Callable[[str], None] | None = None) -> list[CheckRow]:
-    """Every check, in order, on ``_usable_device(device)``; a check that raises becomes one failed
+    """Every check, in order, on ``usable_device(device)``; a check that raises becomes one failed
     row, and the others still run."""
-    ctx = Context(_usable_device(device), comfyui)
+    ctx = Context(usable_device(device), comfyui)
     rows = []
     for name, check in CHECKS:
         if progress is not None:
