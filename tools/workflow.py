@@ -78,9 +78,16 @@ def _png_workflow_text(path: Path) -> tuple[str, str]:
 
 
 def _check_api_links(prompt: dict) -> None:
-    """A link to a node the prompt lacks is a ``UserError`` naming the input; ComfyUI's error names only the node."""
+    """A link to a node the prompt lacks, or inputs that are not an object, is a ``UserError`` naming the node
+    and input; ComfyUI's error names only the node, or is a traceback."""
     for node_id, node in prompt.items():
-        for name, value in (node.get("inputs") or {}).items():
+        inputs = node.get("inputs") or {}
+        if not isinstance(inputs, dict):
+            raise UserError(
+                f"node {node_id} ({node['class_type']}) has inputs of type {type(inputs).__name__}, where ComfyUI's "
+                'API format has an object of name: value: export the prompt again with "Export (API)"'
+            )
+        for name, value in inputs.items():
             # ComfyUI's shape of a link: [source node id, output slot], node ids being strings.
             if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0] not in prompt:
                 raise UserError(

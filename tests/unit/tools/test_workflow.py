@@ -347,6 +347,13 @@ def test_api_link_to_a_missing_node_names_the_input(tmp_path):
     assert load_workflow(api) == prompt
 
 
+def test_api_inputs_that_are_not_an_object_name_the_node(tmp_path):
+    api = tmp_path / "api.json"
+    api.write_text(json.dumps({"5": {"class_type": "EmptyLatentImage", "inputs": [64, 64, 1]}}))
+    with pytest.raises(UserError, match=r'^node 5 \(EmptyLatentImage\) has inputs of type list, .*"Export \(API\)"$'):
+        load_workflow(api)
+
+
 def test_link_from_a_deleted_node_is_one_line(baseline, definitions):
     baseline["nodes"] = [n for n in baseline["nodes"] if n["id"] != 4]
     with pytest.raises(UserError, match=r"^link \d+ comes from node 4, which is not in the workflow: reconnect or delete"):
