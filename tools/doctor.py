@@ -802,7 +802,13 @@ def usable_device(device: torch.device | str, instead: str = "drop --device to c
         usable = torch.device(device)
     except RuntimeError as error:
         raise UserError(f"--device {device!r} is not a device torch knows ({error}); give e.g. cpu, cuda or cuda:1") from None
+    if usable.type == "cpu":
+        return usable
     if usable.type != "cuda":
+        try:
+            torch.empty(1, device=usable)
+        except Exception as error:  # each backend refuses its own way: NotImplementedError, AssertionError, ImportError
+            raise UserError(f"--device {usable}: torch cannot place a tensor there ({_first_line(error)}); {instead}") from None
         return usable
     if not torch.cuda.is_available():
         gpu_build = (f"CUDA {torch.version.cuda}" if torch.version.cuda

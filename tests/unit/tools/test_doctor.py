@@ -525,6 +525,14 @@ def test_cli_refuses_cuda_where_torch_sees_none_instead_of_failing_every_check(m
     assert checks_run == []
 
 
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an MPS device")
+def test_cli_refuses_another_device_type_torch_cannot_place_a_tensor_on(checks_run, capsys):
+    error = _cli_error(["doctor", "--no-comfyui", "--device", "mps"], capsys)
+    assert error.startswith("--device mps: torch cannot place a tensor there (NotImplementedError: Could not run")
+    assert error.endswith("); drop --device to check this machine's CPU")
+    assert checks_run == []
+
+
 def test_cli_refuses_a_cuda_index_past_the_gpus_torch_sees(monkeypatch, checks_run, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
