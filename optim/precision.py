@@ -130,13 +130,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """``x @ weight.T + bias`` with ``weight`` stored fp8 e4m3 (scale 1, as ComfyUI stores fp8 and
     patches LoRAs into it) and ``x`` quantized to e4m3 with one scale per call (its largest magnitude
     at ``E4M3_MAX``, where ComfyUI's fp8 fast path clamps at it), multiplied by ``fp8_matmul_kernel``
-    into ``out_dtype``. None where ``fp8_linear_fits`` says no (the caller computes it as before); the
-    rows are padded to a multiple of 16."""
+    into ``out_dtype``. None where ``fp8_linear_fits`` says no (the caller computes it as before); for
+    ``_scaled_mm`` the rows are padded to a multiple of 16."""
     features, outputs = x.shape[-1], weight.shape[0]
     if not fp8_linear_fits(features, outputs):
         return None
     rows = x.reshape(-1, features)
-    padded = -rows.shape[0] % 16
+    padded = 0 if fp8_matmul_emulated(rows.device) else -rows.shape[0] % 16
     if padded:
         rows = F.pad(rows, (0, 0, 0, padded))
     scale = (rows.abs().amax().float() / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
