@@ -228,7 +228,7 @@ class ComfyHost:
             comfy.options.enable_args_parsing()
             memory.load_library()
             # Before nodes, as in main.py: importing nodes puts comfy/ on sys.path, whose utils.py hides ComfyUI's utils/.
-            import utils  # noqa: F401
+            importlib.import_module("utils")
 
             import execution
             import folder_paths
