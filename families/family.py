@@ -189,10 +189,6 @@ class DiffusionCall:
     runs_wrappers: bool = True
 
     @property
-    def vector_width(self) -> int:
-        return sum(width for _, width in self.vector_parts)
-
-    @property
     def plain_forward(self) -> str:
         """The method that runs the diffusion model without ComfyUI's wrappers: ``_forward`` where
         its ``forward`` runs them, else ``forward`` itself."""

@@ -18,9 +18,10 @@ An op runs chunked only when its estimated working memory exceeds ``budget_bytes
 sized to fit it. The output of every op is full size either way, so what this lowers is the
 temporaries an op makes beyond its output. Two more pieces sit beside the context manager:
 ``sequential_batches`` splits a batched call (cond and uncond) along dim 0 and concatenates the
-results, and ``attention_config`` picks attention in linear memory (PyTorch's fused kernels, else
-``sub_quadratic`` sized from the same budget; the host sets attention through its own per-model override). ``run_low_memory`` runs one
-call (ComfyUI's ``apply_model``) in sequential batches under the context manager.
+results, and ``run_low_memory`` runs one call (ComfyUI's ``apply_model``) in sequential batches under
+the context manager. Attention in linear memory is the attention technique's ``low_memory`` backend
+(PyTorch's fused kernels, else ``sub_quadratic`` within a budget), which the host sets through its
+own per-model override.
 
 What lowers the peak, measured on the mini SD1.5 UNet at 1024x1024, batch 2, 64 MiB budget
 (CUDA fp16 and CPU fp32): sequential batches and feed-forward slicing, each by about a third;
@@ -35,7 +36,7 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from torch.overrides import TorchFunctionMode
 
 from ..errors import UserError
-from .attention import HALF_DTYPES, LOW_MEMORY, AttentionConfig, sub_quadratic_chunks
+from .attention import HALF_DTYPES
 
 # Chunked GroupNorm holds a chunk's float copy and one float temporary of the same size.
 _GROUP_NORM_COPIES = 2
@@ -60,8 +61,7 @@ class LowMemConfig:
     """What ``low_memory`` and ``run_low_memory`` do.
 
     ``budget_bytes``: the working memory (temporaries beyond the op's inputs and output) one op
-    may use; ops estimated above it run in chunks sized to fit it, and ``attention_config`` gives
-    attention's score chunks the same budget. ``sequential_cfg``: ``run_low_memory`` runs the
+    may use; ops estimated above it run in chunks sized to fit it. ``sequential_cfg``: ``run_low_memory`` runs the
     batch ``batch_chunk`` entries at a time (cond and uncond one after the other).
     ``feedforward_modules``: the token-wise modules that ``slice_feedforward`` runs over token
     slices (their input's second-to-last dim), by class name (``FeedForward``) or, for modules of a
@@ -263,21 +263,6 @@ def feedforward_tokens_per_slice(module: nn.Module, x: torch.Tensor, budget_byte
     dim = x.ndim - 2
     per_token = feedforward_working_bytes(module, x) // x.shape[dim]
     return _rows_within(budget_bytes, per_token, x.shape[dim])
-
-
-# --- attention ---------------------------------------------------------------------------------
-
-
-def attention_config(config: LowMemConfig) -> AttentionConfig:
-    """Attention in linear memory: PyTorch's fused kernels where one takes the inputs, else
-    ``sub_quadratic`` with score chunks within the budget."""
-    return AttentionConfig(backend=LOW_MEMORY, memory_budget_bytes=config.budget_bytes)
-
-
-def attention_chunks(q_shape: Sequence[int], k_shape: Sequence[int], dtype: torch.dtype, budget_bytes: int) -> tuple[int, int]:
-    """(query chunk, key chunk) that ``sub_quadratic`` uses for q ``[B, H, Nq, D]`` and k ``[B, H, Nk, D]`` under the budget."""
-    batch, heads, q_tokens = q_shape[:3]
-    return sub_quadratic_chunks(batch * heads, q_tokens, k_shape[2], _compute_dtype(dtype).itemsize, budget_bytes)
 
 
 # --- the context manager -----------------------------------------------------------------------

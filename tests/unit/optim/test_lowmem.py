@@ -10,11 +10,8 @@ from torch.overrides import TorchFunctionMode
 import pytest
 
 from sdopt.errors import UserError
-from sdopt.optim.attention import sub_quadratic_chunks
 from sdopt.optim.lowmem import (
     LowMemConfig,
-    attention_chunks,
-    attention_config,
     chunkable,
     chunked_group_norm,
     feedforward_working_bytes,
@@ -268,15 +265,6 @@ def test_tiny_unet_runs_on_meta_and_fake_tensors(tiny_unet):
 def test_feedforward_working_bytes_from_the_widest_layer():
     ff, x = FeedForward(dim=16, inner=32), torch.empty(2, 50, 16)
     assert feedforward_working_bytes(ff, x) == 2 * 64 * 100 * 4
-
-
-def test_attention_chunks_fit_the_budget():
-    budget = 1 << 20
-    config = attention_config(LowMemConfig(budget_bytes=budget))
-    assert (config.backend, config.memory_budget_bytes) == ("low_memory", budget)
-    q_chunk, kv_chunk = attention_chunks((2, 8, 4096, 40), (2, 8, 4096, 40), torch.float16, budget)
-    assert (q_chunk, kv_chunk) == sub_quadratic_chunks(16, 4096, 4096, 4, budget)
-    assert 2 * 16 * q_chunk * kv_chunk * 4 <= budget and q_chunk < 4096
 
 
 @pytest.mark.parametrize("field,value", [("budget_bytes", 0), ("batch_chunk", 0)])
