@@ -258,12 +258,15 @@ def refuse_quantized(model, input_name: str, fix: str) -> None:
 # patcher is made: address-space reservations, pinned host buffers and its patchers, on the model; and
 # once loaded, on each layer: a staging slot, whose presence alone routes the layer's forward through
 # aimdo, the slot's signature, the pinned buffers, the on-the-fly weight patch, and cast weights turned
-# on, which no unload turns off. A private copy takes none of it (the class defaults show again, as in
-# a fresh load): sharing would let the copy touch the original's VRAM and pins, and a deep copy would
-# duplicate pinned buffers or fail on native handles.
+# on, which no unload turns off; and after the layer's first forward, views over its VRAM window
+# (weight, bias, the prefetch plan) and over pinned host memory, which no unload deletes either. A
+# private copy takes none of it (the class defaults show again, as in a fresh load): sharing would let
+# the copy touch the original's VRAM and pins, and a deep copy would read a window the unload just
+# freed, duplicate pinned buffers or fail on native handles.
 DYNAMIC_VRAM_MODEL_STATE = ("dynamic_vbars", "dynamic_pins", "dynamic_patchers")
 DYNAMIC_VRAM_LAYER_STATE = DYNAMIC_VRAM_MODEL_STATE + (
-    "_v", "_v_block", "_v_signature", "_pin_state", "weight_lowvram_function", "bias_lowvram_function", "comfy_cast_weights")
+    "_v", "_v_block", "_v_signature", "_pin_state", "weight_lowvram_function", "bias_lowvram_function", "comfy_cast_weights",
+    "_v_weight", "_v_bias", "_v_block_faulted", "_prefetch", "_pins")
 
 
 def _is_dynamic(patcher) -> bool:
@@ -389,6 +392,7 @@ def private_vae_copy(vae, convert: Callable[[torch.nn.Module], torch.nn.Module],
     _unload_everywhere(source, vae.patcher)
     duplicate = copy_vae(vae)
     duplicate.first_stage_model = convert(source)
+    duplicate.first_stage_model.current_weight_patches_uuid = None  # as private_copy's: a fresh VAE's state
     if hasattr(mm, "archive_model_dtypes"):
         mm.archive_model_dtypes(duplicate.first_stage_model)
     duplicate.patcher = rebased(vae.patcher, duplicate.first_stage_model)

@@ -371,6 +371,9 @@ def dynamically_loaded(base):
     for layer in base.diffusion_model:
         layer._v, layer._v_signature, layer._pin_state = (Slot(), 0, 64), Slot(), {"weights": Slot()}
         layer.weight_lowvram_function, layer.bias_lowvram_function, layer.comfy_cast_weights = Slot(), None, True
+        # what a layer's first forward leaves: views over its VRAM window and pinned host memory
+        layer._v_weight, layer._v_bias, layer._prefetch = Slot(), Slot(), {"signature": Slot(), "xfer_dest": Slot()}
+        layer._pins, layer._v_block_faulted = {"weights": {"pin": Slot(), "registered": True}}, Slot()
     return base
 
 
@@ -426,11 +429,15 @@ def test_private_vae_copy_of_a_dynamically_loaded_vae(model_management, prompts)
     vae = FakeVAE()
     vae.first_stage_model = nn.Conv2d(3, 3, 1)
     vae.first_stage_model.current_weight_patches_uuid = uuid.uuid4()  # a VAE never has a current_patcher
-    vae.first_stage_model._v = Slot()
+    vae.first_stage_model._v, vae.first_stage_model._v_weight, vae.first_stage_model._prefetch = Slot(), Slot(), {"x": Slot()}
     vae.patcher = DynamicPatcher(vae.first_stage_model)
     duplicate = glue.private_vae_copy(vae, _convert)
-    assert duplicate.first_stage_model.weight.dtype == torch.bfloat16 and not hasattr(duplicate.first_stage_model, "_v")
-    assert isinstance(vae.first_stage_model._v, Slot)
+    copied = duplicate.first_stage_model
+    assert copied.weight.dtype == torch.bfloat16
+    assert not any(hasattr(copied, name) for name in ("_v", "_v_weight", "_prefetch"))
+    assert copied.current_weight_patches_uuid is None, "a fresh VAE's state, as the UNet copy's"
+    assert isinstance(vae.first_stage_model._v, Slot) and vae.first_stage_model.current_weight_patches_uuid is not None
+
 
 def _recording(converted: list, dtype):
     def convert(module):
