@@ -172,6 +172,19 @@ class _Server:
         return [data for event, data in self.events if event == REPORT_EVENT]
 
 
+def _progress_to_registry(value, total, preview_image, prompt_id=None, node_id=None):
+    """What a server's progress hook (main.py's) does that nodes see: each ProgressBar update of the
+    executing node reaches ComfyUI's progress registry, whose handlers (sdopt's node timer, which
+    samples memory per sampler step) run on it. The browser's events have no one to go to here."""
+    from comfy_execution.progress import get_progress_state
+    from comfy_execution.utils import get_executing_context
+
+    context = get_executing_context()
+    node_id = node_id if node_id is not None else getattr(context, "node_id", None)
+    if node_id is not None:
+        get_progress_state().update_progress(node_id, value, total, preview_image)
+
+
 @contextlib.contextmanager
 def _quiet_logging():
     """ComfyUI logs validation problems itself; the runner reports them as one line instead."""
@@ -243,6 +256,8 @@ class ComfyHost:
         # ComfyUI's samplers also draw a tqdm bar on the console; off a terminal it is only partial
         # lines and escape codes in a log. Its ProgressBar (the browser's) is another thing, left on.
         comfy.utils.set_progress_bar_enabled(sys.stderr.isatty())
+        if hasattr(comfy.utils, "set_progress_bar_global_hook"):
+            comfy.utils.set_progress_bar_global_hook(_progress_to_registry)
         with _quiet_logging():
             asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
             loaded = asyncio.run(nodes.load_custom_node(str(PACK_ROOT)))

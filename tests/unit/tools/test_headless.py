@@ -61,7 +61,8 @@ def _fake_comfyui(monkeypatch, executor, loaded=True):
     comfy.__path__ = []
     comfy.options = module("comfy.options", enable_args_parsing=enable_args_parsing)
     comfy.cli_args = module("comfy.cli_args", args=types.SimpleNamespace())  # a ComfyUI without dynamic VRAM
-    comfy.utils = module("comfy.utils", set_progress_bar_enabled=lambda enabled: seen.__setitem__("console_bar", enabled))
+    comfy.utils = module("comfy.utils", set_progress_bar_enabled=lambda enabled: seen.__setitem__("console_bar", enabled),
+                         set_progress_bar_global_hook=lambda hook: seen.__setitem__("progress_hook", hook))
     module("utils")
     module("execution", PromptExecutor=executor, CacheType=CacheType)
     module("folder_paths")
@@ -93,6 +94,24 @@ def test_host_passes_cache_args_where_the_executor_takes_them(monkeypatch, tmp_p
     assert seen["server"].PromptServer.instance is host._server, "the stand-in server is ComfyUI's server"
     assert seen["console_bar"] is sys.stderr.isatty(), "ComfyUI's console bar only on a terminal"
     assert host.memory_mode.dynamic is None, "these fakes are a ComfyUI without dynamic VRAM"
+
+
+def test_progress_bar_updates_reach_comfyuis_progress_registry_as_in_a_server(monkeypatch, tmp_path):
+    seen = _fake_comfyui(monkeypatch, Executor0375)
+    updates, executing = [], types.SimpleNamespace(node_id="3")
+    registry = types.SimpleNamespace(update_progress=lambda *args: updates.append(args))
+    for name, attrs in (("comfy_execution", {}), ("comfy_execution.progress", {"get_progress_state": lambda: registry}),
+                        ("comfy_execution.utils", {"get_executing_context": lambda: executing})):
+        fake = types.ModuleType(name)
+        fake.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, fake)
+    headless.ComfyHost(tmp_path)
+    hook = seen["progress_hook"]
+    hook(2, 20, None)
+    hook(3, 20, "preview", node_id="7")
+    executing = None
+    hook(4, 20, None)
+    assert updates == [("3", 2, 20, None), ("7", 3, 20, "preview")], "the executing node's, or the one named; none outside a node"
 
 
 def test_host_refuses_a_comfyui_that_did_not_load_the_pack(monkeypatch, tmp_path):
