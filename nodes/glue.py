@@ -544,7 +544,8 @@ def memory_mode(device) -> tuple[str | None, str]:
 def dynamic_vram_probe(device) -> Callable[[], int] | None:
     """Where ComfyUI 0.38's dynamic VRAM is on: the bytes on ``device`` mapped past PyTorch's allocator
     (streamed weights, malloc graphs); else None. comfy-aimdo hooks every device allocation in the
-    process, so its total counts PyTorch's own segments too, which the probe takes off."""
+    process, on every GPU, so its total counts PyTorch's own segments on each too, which the probe takes
+    off; what it maps on another GPU counts as this one's (ComfyUI runs a model on one)."""
     memory_management = sys.modules.get("comfy.memory_management")
     if not getattr(memory_management, "aimdo_enabled", False):
         return None
@@ -555,7 +556,7 @@ def dynamic_vram_probe(device) -> Callable[[], int] | None:
     usage = getattr(control, "get_total_vram_usage", None)
     if usage is None or torch.device(device).type != "cuda":
         return usage
-    return lambda: max(0, usage() - torch.cuda.memory_reserved(device))
+    return lambda: max(0, usage() - sum(torch.cuda.memory_reserved(index) for index in range(torch.cuda.device_count())))
 
 
 DELEGATE_NOTE = "dynamic VRAM patcher: running on its non-dynamic delegate, which ComfyUI loads again from the checkpoint file"

@@ -950,10 +950,14 @@ def test_outer_sample_counts_dynamic_vram_where_comfyui_0_38_maps_it(prompts, mo
     sys.modules["comfy.memory_management"].aimdo_enabled = True
     outer(OuterExecutor([]), "noise")
     assert prompt_context.prompt_log(PROMPT).runs[-1]["peak_outside_allocator_bytes"] == 3 * 2**30
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2**30)  # counted by aimdo's hook too
     assert glue.dynamic_vram_probe("cuda:0")() == 2 * 2**30
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 4 * 2**30)
     assert glue.dynamic_vram_probe("cuda:0")() == 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # aimdo's total is every GPU's
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2**30)
+    assert glue.dynamic_vram_probe("cuda:0")() == 2**30
     monkeypatch.setitem(sys.modules, "comfy_aimdo", None)  # enabled, but the package cannot be imported
     assert glue.dynamic_vram_probe("cuda:0") is None
 
