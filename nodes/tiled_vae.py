@@ -39,10 +39,16 @@ class _TilingAutoencoder:
         return getattr(self._model, name)
 
     def decode(self, z, **kwargs):
-        return self._model.decode(z, **kwargs) if kwargs else self._tiled(tiled_decode, DECODE, z)
+        return self._untiled(DECODE, z, kwargs) if kwargs else self._tiled(tiled_decode, DECODE, z)
 
-    def encode(self, pixels):
-        return self._tiled(tiled_encode, ENCODE, pixels)
+    def encode(self, pixels, **kwargs):
+        return self._untiled(ENCODE, pixels, kwargs) if kwargs else self._tiled(tiled_encode, ENCODE, pixels)
+
+    def _untiled(self, kind, x, kwargs):
+        # ComfyUI passes keywords (device=) only to VAEs that chunk their own input and output (video VAEs).
+        self._calls.append(f"{kind}: untiled, ComfyUI called it with {', '.join(sorted(kwargs))}=, the call of a VAE that "
+                           "chunks its own input and output")
+        return getattr(self._model, kind)(x, **kwargs)
 
     def _tiled(self, verb, kind, x):
         import comfy.utils

@@ -11,7 +11,8 @@ import inspect
 import pytest
 
 from sdopt.errors import UserError
-from sdopt.nodes.tiled_vae import SDOptTiledVAE
+from sdopt.nodes.tiled_vae import SDOptTiledVAE, _TilingAutoencoder
+from sdopt.optim.tiled_vae import TiledVAEConfig
 
 VALID = {"tile": 256, "overlap": 0, "budget_mb": 0}
 
@@ -76,3 +77,21 @@ def test_valid_inputs_pass():
         ((name, message),) = what_the_user_sees(values)
         assert name == "vae" and message.startswith("vae: this VAE has no weights"), "every input check passed"
     assert SDOptTiledVAE.VALIDATE_INPUTS(tile=None) is True
+
+
+def test_a_call_with_keywords_runs_the_vae_untiled_and_says_so():
+    class ChunkingVAE:
+        """A VAE that chunks its own input and output: ComfyUI calls it with ``device=``."""
+
+        def encode(self, pixels, device=None):
+            return ("encoded", pixels, device)
+
+        def decode(self, z, device=None):
+            return ("decoded", z, device)
+
+    calls = []
+    stand_in = _TilingAutoencoder(ChunkingVAE(), TiledVAEConfig(), calls)
+    assert stand_in.encode("pixels", device="cpu") == ("encoded", "pixels", "cpu")
+    assert stand_in.decode("z", device="cpu") == ("decoded", "z", "cpu")
+    assert calls == [f"{kind}: untiled, ComfyUI called it with device=, the call of a VAE that chunks its own input and output"
+                     for kind in ("encode", "decode")]
