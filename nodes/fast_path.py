@@ -19,7 +19,7 @@ import torch
 from ..errors import Unavailable
 from ..families import DiffusionCall, Family
 from ..measure.profiler import active_run
-from .glue import (ModelFamily, fall_back_or_raise, model_family, non_dynamic_clone, record_in_run, record_model, set_wrappers,
+from .glue import (ModelFamily, call_key, fall_back_or_raise, model_family, non_dynamic_clone, record_in_run, record_model, set_wrappers,
                    trim_heap_after_sampling, wrapper_types)
 
 FAST_PATH_KEY = "sdopt.fast_path"
@@ -301,7 +301,7 @@ class FastPath:
         options = {name: transformer_options[name] for name in _KEPT_OPTIONS if transformer_options.get(name)}
         if self.schedule is None:
             return self._run(executor.class_obj, options, PLAIN_STEP, tensors)
-        key = tuple(transformer_options.get("cond_or_uncond") or ())
+        key = call_key(transformer_options)
         shapes = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
         deep = self.schedule.decide(key, shapes, schedule_position(transformer_options) if self.schedule.config.bounded else None)
         if deep is not None:

@@ -146,6 +146,16 @@ def set_wrappers(model, key: str, wrappers: dict[str, Callable]) -> None:
     trim_heap_after_sampling(model)
 
 
+def make_outermost(model, key: str, kind: str) -> None:
+    """Run ``key``'s wrappers of ``kind`` (a WrappersMP attribute name) outside every other key's on
+    ``model``: ComfyUI runs a kind's keys in the order they were added, the first outermost."""
+    by_key = getattr(model, "wrappers", {}).get(getattr(wrapper_types(), kind), {})
+    if key in by_key:
+        reordered = {key: by_key.pop(key), **by_key}
+        by_key.clear()
+        by_key.update(reordered)
+
+
 def trim_heap_after_sampling(model) -> None:
     """Have every sampling run of ``model`` end by handing freed host memory back to the OS, its
     other wrappers left as they are."""
@@ -173,6 +183,37 @@ def record_in_run(node: str, requested: str, active: str, note: str = "", short:
     run = active_run()
     if run is not None:
         record(run.optimizations, node, requested, active, note, short)
+
+
+# --- a call's rows: what ComfyUI's transformer_options say about the batch ------------------------
+
+# Set on the transformer_options of one part of a batch split into sequential calls (Low Memory's
+# sequential cfg): the part's rows of the whole batch. Parts have equal shapes, so the step caches
+# need it to tell one part's call from another's.
+BATCH_ROWS = "sdopt_batch_rows"
+
+
+def call_key(transformer_options: dict) -> tuple:
+    """What a step cache files a model call under: the conditionings it batches (ComfyUI's
+    ``cond_or_uncond``) and, for one part of a split batch, its rows."""
+    return tuple(transformer_options.get("cond_or_uncond") or ()), transformer_options.get(BATCH_ROWS)
+
+
+def label_batch_rows(rows: slice, batch: int, args: tuple, kwargs: dict) -> None:
+    """Make each transformer_options among a part's arguments describe the part's own rows: ComfyUI lists
+    one ``cond_or_uncond`` and ``uuids`` entry per conditioning, each covering ``batch / entries`` rows
+    (caches such as EasyCache split the batch by them), and the rows themselves (``BATCH_ROWS``)."""
+    for options in (*args, *kwargs.values()):
+        if not (isinstance(options, dict) and "cond_or_uncond" in options):
+            continue
+        entries = len(options["cond_or_uncond"] or ())
+        if entries and batch % entries == 0:
+            per_entry = batch // entries
+            covered = slice(rows.start // per_entry, (rows.stop - 1) // per_entry + 1)
+            for name in ("cond_or_uncond", "uuids"):
+                if isinstance(options.get(name), list) and len(options[name]) == entries:
+                    options[name] = options[name][covered]
+        options[BATCH_ROWS] = (rows.start, rows.stop)
 
 
 # --- inputs: what INPUT_TYPES promises, checked when the node runs --------------------------------

@@ -2,7 +2,9 @@
 
 Delegates to ``optim.lowmem``: an APPLY_MODEL wrapper runs each call under ``low_memory`` (chunked
 GroupNorm, sliced convs and feed-forwards) and, with ``sequential_cfg``, cond and uncond one after
-the other (every batched input split with them: context, SDXL's ``y``, ControlNet residuals);
+the other (every batched input split with them: context, SDXL's ``y``, ControlNet residuals; each
+part's ``transformer_options`` describe its own rows, and the wrapper runs outside every other
+APPLY_MODEL wrapper, so step caches see each part as a call of its own);
 attention goes through sdopt Attention's ``low_memory`` choice: PyTorch's fused sdpa kernels (memory
 linear in the tokens) where one takes the inputs, else ``sub_quadratic`` sized from the same budget. The
 feed-forward modules to slice are the model family's (``families/``: by class, or by attribute name for
@@ -45,9 +47,13 @@ class SDOptLowMemory:
         (m,) = SDOptAttention().patch(model, LOW_MEMORY, "fallback", 0, budget_mb)
 
         def low_memory_call(executor, x, *args, **kwargs):
-            return run_low_memory(config, executor, x, *args, within=executor.class_obj.diffusion_model, **kwargs)
+            return run_low_memory(config, executor, x, *args, within=executor.class_obj.diffusion_model,
+                                  label_part=glue.label_batch_rows, **kwargs)
 
         glue.set_wrappers(m, NODE, {"APPLY_MODEL": low_memory_call})
+        # Every other APPLY_MODEL wrapper (sdopt Step Cache's, other packs') then sees each part of a
+        # split batch as a call of its own, as if ComfyUI had made it, whatever the nodes' order.
+        glue.make_outermost(m, NODE, "APPLY_MODEL")
         counts = chunkable(m.get_model_object("diffusion_model"), config) if chunk_ops else {}
         chunked = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
         parts = [f"budget {budget_mb} MiB", f"{LOW_MEMORY} attention"] + (["sequential cfg"] if sequential_cfg else []) + (

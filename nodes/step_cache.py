@@ -111,7 +111,7 @@ def _first_block_clone(model, config: StepCacheConfig, requested: str, problem, 
         context = inputs.get("c_crossattn")
         shapes = (tuple(x.shape), x.dtype, None if context is None else tuple(context.shape))
         bypass = "ControlNet (control) inputs" if inputs.get("control") is not None else None
-        cache.begin(tuple(options.get("cond_or_uncond") or ()), shapes, fast_path.schedule_position(options), bypass)
+        cache.begin(glue.call_key(options), shapes, fast_path.schedule_position(options), bypass)
         try:
             return executor(*args, **kwargs)
         finally:

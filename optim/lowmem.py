@@ -86,13 +86,19 @@ class LowMemConfig:
 # --- sequential batches ------------------------------------------------------------------------
 
 
-def sequential_batches(fn: Callable[..., Any], x: torch.Tensor, *args: Any, batch_chunk: int = 1, **kwargs: Any) -> Any:
+PartLabel = Callable[[slice, int, tuple, dict], None]
+
+
+def sequential_batches(fn: Callable[..., Any], x: torch.Tensor, *args: Any, batch_chunk: int = 1,
+                       label_part: PartLabel | None = None, **kwargs: Any) -> Any:
     """``fn(x, *args, **kwargs)`` run ``batch_chunk`` batch entries at a time, results concatenated on dim 0.
 
     Every tensor whose dim 0 equals ``x``'s batch (in ``args``, ``kwargs`` and, recursively, in
     the dicts, lists and tuples they hold: conditioning, ControlNet residuals, per-sample sigmas)
-    is sliced with ``x``; everything else is passed whole. The results (a tensor, or dicts, lists
-    and tuples of them) are concatenated on dim 0.
+    is sliced with ``x``; everything else is passed whole, in containers of the part's own.
+    ``label_part(rows, batch, args, kwargs)`` may then change a part's containers in place (a
+    host's per-row bookkeeping, which no tensor shape tells). The results (a tensor, or dicts,
+    lists and tuples of them) are concatenated on dim 0.
     """
     batch = x.shape[0]
     if batch <= batch_chunk:
@@ -100,7 +106,10 @@ def sequential_batches(fn: Callable[..., Any], x: torch.Tensor, *args: Any, batc
     parts = []
     for start in range(0, batch, batch_chunk):
         rows = slice(start, min(start + batch_chunk, batch))
-        parts.append(fn(x[rows], *_batch_slice(args, rows, batch), **_batch_slice(kwargs, rows, batch)))
+        part_args, part_kwargs = _batch_slice(args, rows, batch), _batch_slice(kwargs, rows, batch)
+        if label_part is not None:
+            label_part(rows, batch, part_args, part_kwargs)
+        parts.append(fn(x[rows], *part_args, **part_kwargs))
     return _concat_batches(parts)
 
 
@@ -284,13 +293,15 @@ def low_memory(config: LowMemConfig, within: nn.Module | None = None) -> Iterato
 
 
 def run_low_memory(
-    config: LowMemConfig, fn: Callable[..., Any], x: torch.Tensor, *args: Any, within: nn.Module | None = None, **kwargs: Any
+    config: LowMemConfig, fn: Callable[..., Any], x: torch.Tensor, *args: Any, within: nn.Module | None = None,
+    label_part: PartLabel | None = None, **kwargs: Any
 ) -> Any:
     """``fn(x, *args, **kwargs)`` under ``low_memory(config, within)``, the batch split by ``sequential_batches``
-    when ``config.sequential_cfg``: the whole technique around one UNet call (ComfyUI's ``apply_model``)."""
+    (each part labelled by ``label_part``) when ``config.sequential_cfg``: the whole technique around one UNet
+    call (ComfyUI's ``apply_model``)."""
     with low_memory(config, within):
         if config.sequential_cfg:
-            return sequential_batches(fn, x, *args, batch_chunk=config.batch_chunk, **kwargs)
+            return sequential_batches(fn, x, *args, batch_chunk=config.batch_chunk, label_part=label_part, **kwargs)
         return fn(x, *args, **kwargs)
 
 

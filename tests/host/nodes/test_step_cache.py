@@ -14,6 +14,8 @@ import functools
 import pytest
 import torch
 
+from sdopt.optim.step_cache import FIRST_CALL
+
 STEPS = 6
 REL_TOL = 1e-4
 
@@ -78,6 +80,24 @@ def test_deepcache_reuses_two_calls_in_three_and_leaves_the_model_alone(unet_hos
     assert torch.equal(unet_host.sample(model, STEPS), reference), "the model the node was given must be unchanged"
 
 
+def sequential_cfg(host, model):
+    """sdopt Low Memory with only its sequential cfg (no chunked ops): cond and uncond as calls of their own."""
+    (patched,) = host.nodes["SDOptLowMemory"]().patch(model, 256, True, False)
+    return patched
+
+
+def test_deepcache_under_sequential_cfg_keeps_each_halfs_features_whichever_node_comes_first(unet_host, stock):
+    """Low Memory runs cond and uncond one after the other, with equal shapes: each half must reuse its
+    own deep features (before, the uncond half took the cond half's: 253 levels off at 64², 4 steps)."""
+    model, _ = stock
+    batched = unet_host.sample(cached(unet_host, model), STEPS)
+    for patched in (sequential_cfg(unet_host, cached(unet_host, model)), cached(unet_host, sequential_cfg(unet_host, model))):
+        out = unet_host.sample(patched, STEPS)
+        assert close(out, batched), (out - batched).abs().max().item()
+        stats = schedule_stats(unet_host, patched)
+        assert (stats.full_calls, stats.reused_calls) == (2 * (STEPS // 3), 2 * (STEPS - STEPS // 3)), "each half on its own schedule"
+
+
 def test_a_bounded_span_runs_the_whole_unet_outside_it(unet_host, stock):
     model, _ = stock
     patched = cached(unet_host, model, start=0.5)
@@ -137,6 +157,21 @@ def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_n
     assert set(host.fast_path.fast_path_of(after).eager_reasons) == {"another DIFFUSION_MODEL wrapper runs inside this one"}
 
 
+def test_comfyuis_easycache_under_sequential_cfg_equals_easycache_alone(comfy_host, sd15_stock):
+    """EasyCache splits the batch by ComfyUI's ``uuids``: each half of Low Memory's split lists only
+    its own (before, the halves listed both, and the latent moved by 16% of its range)."""
+    if "EasyCache" not in comfy_host.nodes:
+        pytest.skip("this ComfyUI has no EasyCache (it came with ComfyUI 0.3.50)")
+    model, _ = sd15_stock
+
+    def easycache(m):
+        return comfy_host.nodes["EasyCache"].execute(m, 0.2, 0.15, 0.95, False).result[0]
+
+    alone = comfy_host.sample(easycache(model), STEPS)
+    for patched in (sequential_cfg(comfy_host, easycache(model)), easycache(sequential_cfg(comfy_host, model))):
+        assert close(comfy_host.sample(patched, STEPS), alone)
+
+
 def test_a_diffusion_transformer_is_passed_through_with_the_reason_or_refused(dit_host):
     model = dit_host.load_checkpoint()[0]
     with pytest.raises(Exception, match="mode: the model is not a UNet with down, middle and up blocks.*; use mode first_block"):
@@ -188,6 +223,19 @@ def test_first_block_skips_the_later_blocks_and_leaves_the_model_alone(comfy_hos
     assert torch.equal(host.sample(model, STEPS), reference), "the model the node was given must be unchanged"
     (record,) = host.glue.model_records(patched.model_options)
     assert record["active"] == "first_block: threshold 1" and "6 double_blocks" in record["note"]
+
+
+def test_first_block_under_sequential_cfg_decides_each_half_on_its_own_whichever_node_comes_first(comfy_host, stock_runs):
+    host = comfy_host.family("sd35")
+    model, _ = _stock(host, stock_runs)
+    outs = []
+    for patched in (sequential_cfg(host, first_block(host, model, threshold=1.0)),
+                    first_block(host, sequential_cfg(host, model), threshold=1.0)):
+        outs.append(host.sample(patched, STEPS))
+        stats = block_cache(host, patched).stats
+        assert stats.full_calls + stats.reused_calls == 2 * STEPS, "cond and uncond each a call of the cache's"
+        assert stats.full_reasons[FIRST_CALL] == 2, "each half starts its own history"
+    assert torch.equal(*outs), "Low Memory splits outside the cache's call, whatever the order"
 
 
 def test_first_block_chained_twice_keeps_the_last_ones_settings(comfy_host, stock_runs):

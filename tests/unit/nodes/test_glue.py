@@ -520,6 +520,39 @@ def test_patched_clone_replaces_its_own_key_and_keeps_others(patcher_extension):
     assert keyed_wrappers(third, "SDOptProfiler") == {} and keyed_wrappers(third, "someone_else") == keyed_wrappers(model, "someone_else")
 
 
+def test_make_outermost_moves_only_the_order_of_one_kind(patcher_extension):
+    model = WrappedPatcher()
+    model.add_wrapper_with_key("apply_model", "someone_else", print)
+    model.add_wrapper_with_key("outer_sample", "someone_else", print)
+    glue.set_wrappers(model, "K", {"APPLY_MODEL": repr, "OUTER_SAMPLE": repr})
+    glue.make_outermost(model, "K", "APPLY_MODEL")
+    assert list(model.wrappers["apply_model"]) == ["K", "someone_else"], "ComfyUI runs the first key outermost"
+    assert list(model.wrappers["outer_sample"])[:2] == ["someone_else", "K"]
+    assert model.wrappers["apply_model"]["K"] == [repr] and model.wrappers["apply_model"]["someone_else"] == [print]
+    glue.make_outermost(model, "absent", "APPLY_MODEL")
+    assert list(model.wrappers["apply_model"]) == ["K", "someone_else"]
+
+
+def test_each_part_of_a_split_batch_describes_its_own_rows():
+    """cfg with two images: ComfyUI's lists hold one entry per conditioning, two rows each."""
+    options = {"cond_or_uncond": [0, 1], "uuids": ["c", "u"], "sigmas": "sliced elsewhere"}
+    parts = []
+    for start in range(4):
+        part = (dict(options), "t")
+        glue.label_batch_rows(slice(start, start + 1), 4, part, {})
+        parts.append(part[0])
+    assert [(p["cond_or_uncond"], p["uuids"], p[glue.BATCH_ROWS]) for p in parts] == [
+        ([0], ["c"], (0, 1)), ([0], ["c"], (1, 2)), ([1], ["u"], (2, 3)), ([1], ["u"], (3, 4))]
+    assert len({glue.call_key(p) for p in parts}) == 4, "equal shapes, so the step caches tell the parts apart by their rows"
+    assert glue.call_key(options) == ((0, 1), None) and options["cond_or_uncond"] == [0, 1], "the whole call's options are left alone"
+    pair = {"transformer_options": {"cond_or_uncond": [0, 1], "uuids": ["c", "u"]}}
+    glue.label_batch_rows(slice(0, 2), 4, (), pair)
+    assert pair["transformer_options"]["cond_or_uncond"] == [0] and pair["transformer_options"][glue.BATCH_ROWS] == (0, 2)
+    odd = {"cond_or_uncond": [0, 1], "uuids": ["c", "u"]}
+    glue.label_batch_rows(slice(0, 1), 3, (odd,), {})
+    assert odd == {"cond_or_uncond": [0, 1], "uuids": ["c", "u"], glue.BATCH_ROWS: (0, 1)}, "rows that fit no entry: only the rows"
+
+
 def test_set_wrappers_in_place_twice(patcher_extension):
     model = WrappedPatcher()
     glue.set_wrappers(model, "K", {"APPLY_MODEL": print})

@@ -182,6 +182,23 @@ def test_sequential_batches_slices_batched_tensors_and_passes_the_rest():
     assert batches == [3, 1]
 
 
+def test_each_part_can_be_labelled_in_containers_of_its_own():
+    x, options = torch.zeros(3, 2), {"rows": None, "sigmas": torch.arange(3.0)}
+    seen = []
+
+    def label(rows, batch, args, kwargs):
+        args[0]["rows"] = (rows.start, rows.stop, batch)
+        kwargs["extra"]["rows"] = rows.start
+
+    def fn(x, options, extra):
+        seen.append((options["rows"], options["sigmas"].tolist(), extra["rows"]))
+        return x
+
+    sequential_batches(fn, x, options, extra={"rows": None}, batch_chunk=2, label_part=label)
+    assert seen == [((0, 2, 3), [0.0, 1.0], 0), ((2, 3, 3), [2.0], 2)]
+    assert options["rows"] is None, "the caller's containers are left alone"
+
+
 # --- the context manager -------------------------------------------------------------------------
 
 
