@@ -405,10 +405,12 @@ def install_fast_path(model, fast_path: FastPath) -> None:
     def report_after_sampling(executor, *args, **kwargs):
         if fast_path.schedule is not None:
             fast_path.schedule.reset()
-        fast_path.calls = 0
+        fast_path.calls, fast_path.eager_reasons = 0, {}
         try:
             return executor(*args, **kwargs)
         finally:
+            if fast_path.schedule is not None:
+                fast_path.schedule.release()
             compile_stats, graph_stats = fast_path.stats()
             eager = "; ".join(filter(None, [*(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items()), fast_path.family.unknown_note]))
             eager_short = f"eager for {_some_reasons(fast_path.eager_reasons)}" if fast_path.eager_reasons else ""

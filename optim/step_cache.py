@@ -193,9 +193,13 @@ class CacheSchedule:
         self._since_full: dict[Hashable, int] = {}
 
     def reset(self) -> None:
+        self.release()
+        self.stats = StepCacheStats()
+
+    def release(self) -> None:
+        """Drop the kept features (the run's ``stats`` stay until the next ``reset``)."""
         self._kept.clear()
         self._since_full.clear()
-        self.stats = StepCacheStats()
 
     def _full(self, reason: str):
         self.stats.full_calls += 1
@@ -316,6 +320,9 @@ class FirstBlockCache:
         return outputs
 
     def _first(self, inputs: Tensors, outputs: Tensors) -> Tensors:
+        # a new pass over the blocks: nothing of a pass before it in this call (a host that runs the
+        # blocks twice per call) may decide this one
+        self._skipping, self._entries = False, {}
         key, shapes = self._call
         change = outputs[self.compared] - inputs[self.compared]
         kept = self._kept.get(key)

@@ -215,9 +215,11 @@ class CompiledForward:
         signature = input_signature(inputs)
         if signature not in self.seen:
             # Lazy Python-side set-up in the module (per-shape attention decisions, records, caches)
-            # runs eagerly once, so the compiled code only meets its steady path and needs no graph break.
+            # runs eagerly once, so the compiled code only meets its steady path and needs no graph break;
+            # only a call that finished counts (an interrupted one may have left the set-up half done).
+            out = self.call(self.module, *inputs)
             self.seen.add(signature)
-            return self.call(self.module, *inputs)
+            return out
         if self._past_recompile_limit(signature) or signature in self.stats.slower_than_eager:
             return self.call(self.module, *inputs)
         trial = self._trials.get(signature)

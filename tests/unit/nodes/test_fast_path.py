@@ -228,6 +228,29 @@ def test_the_record_says_when_comfyui_never_called_the_fast_path(patcher_extensi
     assert "never called" not in ran["note"] and "never called" not in ran["short"]
 
 
+@torch.inference_mode()
+def test_the_record_counts_each_runs_eager_calls_only(patcher_extension):
+    """A run cancelled after its first calls, then a full one: the full run's record counts its own."""
+    model = _compile_node(FastPatcher(), "trace")
+    fast_path, (report,) = fast_path_of(model), keyed_wrappers(model, FAST_PATH_KEY)["sampler_sample"]
+    patched = {"transformer_options": {"patches": {"attn1_patch": [print]}}}
+
+    def sample(calls, cancel=False):
+        for _ in range(calls):
+            fast_path(Executor(TinyUNet()), *unet_inputs(), None, None, **patched)
+        if cancel:
+            raise KeyboardInterrupt("cancelled")
+
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope(), pytest.raises(KeyboardInterrupt):
+        report(sample, 5, cancel=True)
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        report(sample, 3)
+    (record,) = run.optimizations
+    assert "transformer patches" in record["note"] and "(3x)" in record["note"] and "(8x)" not in record["note"]
+
+
 def _profiled_steps(fast_path, unet, steps):
     """The steps of a profiled run whose every step is one fast-path call."""
     run = SamplingRun("r", "cpu")

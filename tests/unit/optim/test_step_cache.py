@@ -66,6 +66,10 @@ def test_new_shapes_and_a_new_run_start_afresh():
     schedule.reset()
     assert schedule.decide("k", SHAPES) is None, "weights may have changed between runs (a LoRA's strength)"
     assert schedule.stats.full_reasons == {FIRST_CALL: 1}, "stats are the current run's"
+    schedule.keep("k", SHAPES, torch.zeros(1))
+    schedule.release()
+    assert schedule.stats.full_reasons == {FIRST_CALL: 1}, "a finished run's features go, its stats stay for the record"
+    assert schedule.decide("k", SHAPES) is None and schedule.stats.full_reasons == {FIRST_CALL: 2}
 
 
 def test_calls_outside_the_span_run_the_whole_unet():
@@ -185,6 +189,22 @@ def test_first_block_cache_skips_an_unchanged_call_and_gives_the_full_output(dou
     assert (cache.stats.full_calls, cache.stats.reused_calls) == (1, 1)
     assert cache.stats.full_reasons == {FIRST_CALL: 1}
     assert cache.stats.summary() == "1 of 2 calls ran every block, 1 skipped the blocks after the first"
+
+
+def test_first_block_cache_decides_each_pass_over_the_blocks_afresh():
+    """A host that runs the blocks twice in one call (each half of a batch in turn) must not have the
+    second pass start in the first pass's skipping state."""
+    model = ToyTransformer(3, 4)
+    cache = FirstBlockCache(StepCacheConfig(mode=FIRST_BLOCK, threshold=0.05), model.groups, "img")
+    img, txt = torch.randn(2, 6, 8), torch.randn(2, 3, 8)
+    with torch.no_grad():
+        plain = model(img, txt)
+        _toy_call(model, cache, img, txt)
+        _toy_call(model, cache, img, txt)  # skips
+        again = model(img * 3, txt, cache)  # a second pass in the same call
+    assert torch.isfinite(again).all() and cache.stats.full_calls == 2, "a changed first block runs every block"
+    torch.testing.assert_close(again, model(img * 3, txt), rtol=0, atol=0)
+    assert not torch.equal(again, plain)
 
 
 def test_first_block_cache_skipped_blocks_do_not_run():

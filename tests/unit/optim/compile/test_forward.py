@@ -56,6 +56,27 @@ def test_a_new_resolution_compiles_once_and_new_values_never(tiny_unet, mode):
     assert fast.stats.compilations == compilations and fast.stats.cache_entries == 2
 
 
+@torch.inference_mode()
+def test_an_interrupted_first_call_leaves_the_eager_set_up_to_the_next_call(tiny_unet):
+    """A user's Cancel raises inside the first, eager call of a signature: the next call of it is
+    still the eager one, whose lazy set-up the compiled code must not meet half done."""
+    calls = []
+
+    def interrupted_once(unet, *inputs):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise KeyboardInterrupt("cancelled")
+        return unet_call(unet, *inputs)
+
+    fast = compile_forward(tiny_unet, interrupted_once, CompileConfig("trace"))
+    with pytest.raises(KeyboardInterrupt):
+        fast(*unet_inputs(seed=0))
+    fast(*unet_inputs(seed=0))
+    assert fast.stats.compilations == 0, "the first call that finished is the eager one"
+    fast(*unet_inputs(seed=1))
+    assert fast.stats.compilations == 1
+
+
 @pytest.mark.parametrize("config", [
     CompileConfig("compile", backend="aot_eager"),
     CompileConfig("compile_regional", backend="aot_eager"),
