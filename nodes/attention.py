@@ -117,6 +117,14 @@ class SDOptAttention:
                                    shortfall(backend, picked if state[1] else "", state[2]))
                 reported["state"] = state
 
+        def report_after_sampling(executor, *args, **kwargs):
+            # under a traced or compiled forward no attention call of a later run reaches Python
+            try:
+                return executor(*args, **kwargs)
+            finally:
+                report()
+
+        glue.set_wrappers(m, NODE, {"SAMPLER_SAMPLE": report_after_sampling})
         transformer_options = dict(m.model_options.get("transformer_options", {}))
         transformer_options[OVERRIDE_KEY] = comfy_attention_override(attention, report, runs_low_precision(backend))
         m.model_options["transformer_options"] = transformer_options

@@ -853,6 +853,24 @@ def test_attention_node_auto_is_pending_until_sampling(comfy_attention, patcher_
     assert ran["active"] != "auto (pending)" and "rejected: " in ran["note"] and "sdpa_efficient (sdpa_efficient needs CUDA)" in ran["note"]
 
 
+def test_attention_node_files_its_pick_in_runs_whose_attention_never_reaches_python(comfy_attention, patcher_extension):
+    """Under a traced or compiled forward only the first run's attention calls run in Python: every
+    later run's record still names what ran, filed as sampling ends."""
+    comfy_attention.wrap_attn = object()
+    (m,) = attention_node.SDOptAttention().patch(_attention_model(), "auto", "fallback", 0, 32)
+    (record,) = glue.model_records(m.model_options)
+    (after_sampling,) = keyed_wrappers(m, attention_node.NODE)["sampler_sample"]
+    override = m.model_options["transformer_options"][attention_node.OVERRIDE_KEY]
+    picks = []
+    for calls in (1, 0, 0):  # eager, then traced twice
+        run = SamplingRun("r", "cpu", [record])
+        with run.memory_scope():
+            after_sampling(lambda: [override(Recorder(), *_packed_qkv(), 4) for _ in range(calls)])
+        (ran,) = run.optimizations
+        picks.append(ran["active"])
+    assert picks[0] != "auto (pending)" and picks == [picks[0]] * 3
+
+
 def test_attention_node_falls_back_with_a_note(comfy_attention, patcher_extension):
     comfy_attention.wrap_attn = object()
     (m,) = attention_node.SDOptAttention().patch(_attention_model(), "sdpa_efficient", "fallback", 0, 32)
