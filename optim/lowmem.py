@@ -61,8 +61,9 @@ class LowMemConfig:
     """What ``low_memory`` and ``run_low_memory`` do.
 
     ``budget_bytes``: the working memory (temporaries beyond the op's inputs and output) one op
-    may use; ops estimated above it run in chunks sized to fit it. ``sequential_cfg``: ``run_low_memory`` runs the
-    batch ``batch_chunk`` entries at a time (cond and uncond one after the other).
+    may use; ops estimated above it run in chunks sized to fit it. ``sequential_cfg``:
+    ``run_low_memory`` runs the batch ``batch_chunk`` entries at a time (cond and uncond one after
+    the other).
     ``feedforward_modules``: the token-wise modules that ``slice_feedforward`` runs over token
     slices (their input's second-to-last dim), by class name (``FeedForward``) or, for modules of a
     generic class, by their attribute name in their parent (Flux's ``img_mlp``, an ``nn.Sequential``).
