@@ -157,19 +157,32 @@ def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_n
     assert set(host.fast_path.fast_path_of(after).eager_reasons) == {"another DIFFUSION_MODEL wrapper runs inside this one"}
 
 
-def test_comfyuis_easycache_under_sequential_cfg_equals_easycache_alone(comfy_host, sd15_stock):
-    """EasyCache splits the batch by ComfyUI's ``uuids``: each half of Low Memory's split lists only
-    its own (before, the halves listed both, and the latent moved by 16% of its range)."""
+def test_comfyuis_easycache_under_sequential_cfg_sees_each_halfs_own_uuids(comfy_host, sd15_stock):
+    """EasyCache splits a call's batch by ComfyUI's ``uuids``, one per conditioning: each half of Low
+    Memory's split must list only its own (before, both halves listed both, and EasyCache took its rows
+    at the wrong offsets: the latent moved by 16% of its range). Its skip decisions rest on statistics
+    of the batch it is given, so its image under sequential CFG is not the batched one's, as when
+    ComfyUI itself runs cond and uncond apart for lack of memory."""
+    import comfy.patcher_extension
+
     if "EasyCache" not in comfy_host.nodes:
         pytest.skip("this ComfyUI has no EasyCache (it came with ComfyUI 0.3.50)")
     model, _ = sd15_stock
+    seen = []
 
     def easycache(m):
         return comfy_host.nodes["EasyCache"].execute(m, 0.2, 0.15, 0.95, False).result[0]
 
-    alone = comfy_host.sample(easycache(model), STEPS)
+    def spy(executor, *args, **kwargs):  # a DIFFUSION_MODEL wrapper inside EasyCache's: the call it saw
+        options = args[-1] if isinstance(args[-1], dict) else kwargs["transformer_options"]
+        seen.append((args[0].shape[0], len(options["uuids"])))
+        return executor(*args, **kwargs)
+
     for patched in (sequential_cfg(comfy_host, easycache(model)), easycache(sequential_cfg(comfy_host, model))):
-        assert close(comfy_host.sample(patched, STEPS), alone)
+        spied, seen[:] = patched.clone(), []
+        spied.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL, "test.spy", spy)
+        assert torch.isfinite(comfy_host.sample(spied, STEPS)).all()
+        assert seen and set(seen) == {(1, 1)}, "one row and its one uuid per call"
 
 
 def test_a_diffusion_transformer_is_passed_through_with_the_reason_or_refused(dit_host):
