@@ -166,6 +166,7 @@ class RunResult:
     peak_outside_allocator_bytes: int | None = None
     steady_steps: list[int] = field(default_factory=list)
     model_family: str | None = None
+    speed_only_nodes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -205,6 +206,8 @@ class SamplingRun:
         self._timeline = Timeline(self.device)
         self._step_marks = 0
         self._warmup: dict[int, dict[str, float]] = {}
+        # nodes whose work leaves the output as eager's (compile, graphs): a run without them is the eager twin
+        self.speed_only_nodes: set[str] = set()
         self._reading: MemoryReading | None = None
         self._finished = False
 
@@ -260,6 +263,7 @@ class SamplingRun:
             peak_outside_allocator_bytes=reading.outside_allocator_bytes,
             steady_steps=steady_steps(len(steps), self._warmup),
             model_family=self.model_family,
+            speed_only_nodes=sorted(self.speed_only_nodes),
         )
 
 

@@ -123,24 +123,24 @@ def _warmup_steps(run: dict) -> str:
     return "; ".join(spent) or "-"
 
 
-# Nodes that compile, trace or graph the model: a run with them has an eager twin, a run of the same
-# nodes without them, whose steady rate the report shows beside its own.
-FAST_PATH_NODES = ("SDOptCompile", "SDOptCUDAGraph")
 SHORT_HEADER = "did less than asked"
 
 
-def _recipe(run: dict, leave_out=FAST_PATH_NODES) -> tuple:
+def _recipe(run: dict, leave_out: set[str]) -> tuple:
     return run.get("model_family"), sorted((o["node"], o["requested"]) for o in run.get("optimizations", []) if o["node"] not in leave_out)
 
 
 def eager_twin(run: dict, runs: list[dict]) -> dict | None:
-    """The last other run of ``runs`` with ``run``'s nodes and settings but no compile or graph node,
-    where ``run`` has one and the twin has a steady rate; None otherwise."""
-    if not any(o["node"] in FAST_PATH_NODES for o in run.get("optimizations", [])):
+    """The last other run of ``runs`` with ``run``'s nodes and settings but none of the nodes that only
+    made ``run`` faster (its ``speed_only_nodes``: compile, CUDA graphs), where ``run`` has one and the
+    twin has a steady rate; None otherwise. Such a run has an eager twin, whose steady rate the report
+    shows beside its own."""
+    speed_only = set(run.get("speed_only_nodes") or ())
+    if not speed_only:
         return None
-    twins = [other for other in runs if other is not run and other.get("steady_it_per_s")
-             and not any(o["node"] in FAST_PATH_NODES for o in other.get("optimizations", []))
-             and _recipe(other) == _recipe(run)]
+    twins = [other for other in runs if other is not run and other.get("steady_it_per_s") and not other.get("speed_only_nodes")
+             and not any(o["node"] in speed_only for o in other.get("optimizations", []))
+             and _recipe(other, speed_only) == _recipe(run, speed_only)]
     return twins[-1] if twins else None
 
 

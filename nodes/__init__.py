@@ -1,6 +1,6 @@
-"""ComfyUI faces: one small module per technique; ``glue`` (patching ComfyUI's objects), ``prompt_context``
-(the per-prompt context) and ``fast_path`` (the chain of UNet-forward techniques) for what they share;
-``registry`` listing them.
+"""ComfyUI faces: one small module per node, on the node base (``base``), listed in ``registry``; the host glue
+they share, each module named for its subject (``inputs``, ``patching``, ``private_copy``, ``environment``,
+``call_rows``, ``prompt_context``, ``fast_path``, ``unet_blocks``); the doctor's checks in ``checks``.
 
 The registrations are imported on first access, so that importing the pack never imports ComfyUI.
 """

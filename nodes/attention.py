@@ -9,8 +9,10 @@ import torch
 
 from ..errors import Unavailable
 from ..measure.profiler import active_run
-from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, ON_UNAVAILABLE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, attention_memory_is_linear, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
-from . import glue
+from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, attention_memory_is_linear, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
+from . import environment, patching
+from .base import PatchNode
+from .inputs import on_unavailable_input
 
 NODE = "SDOptAttention"
 OVERRIDE_KEY = "optimized_attention_override"
@@ -22,17 +24,15 @@ DELEGATED = ("calls with a custom scale, grouped-query attention, a request for 
              "backend) or inputs no sdopt backend takes ran ComfyUI's own function")
 
 
-def attention_inputs(first: str, kind: str) -> dict:
+def attention_inputs() -> dict:
     """The inputs both attention nodes share, with tooltips."""
     backends = "\n".join([f"{AUTO}: {AUTO_NOTE}", f"{LOW_MEMORY}: {LOW_MEMORY_NOTE}"] + [f"{name}: {get_backend(name).description}" for name in backend_names()])
-    return {"required": {
-        first: glue.patched_input(kind),
+    return {
         "backend": (list(attention_choices()), {"default": AUTO, "tooltip": backends}),
-        "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": (
-            "fallback: use sdpa (or sub_quadratic, naive) and say so in the report; error: stop with the reason")}),
+        "on_unavailable": on_unavailable_input("fallback: use sdpa (or sub_quadratic, naive) and say so in the report; error: stop with the reason"),
         "slice_size": ("INT", {"default": 0, "min": 0, "max": 1 << 20, "tooltip": "query tokens per slice for 'sliced'; 0 = from the memory budget"}),
         "memory_budget_mb": ("INT", {"default": 32, "min": 1, "max": 1 << 20, "tooltip": "score memory of one slice or chunk for 'sliced' and 'sub_quadratic' (and low_memory's sub_quadratic)"}),
-    }}
+    }
 
 
 def shortfall(requested: str, active: str, delegated: bool = False) -> str:
@@ -66,7 +66,7 @@ def comfy_attention_override(attention, report, low_precision: bool = False):
 
         if kwargs.get("scale") is not None or kwargs.get("enable_gqa") or (low_precision and kwargs.get("low_precision_attention") is False):
             return comfy_own()
-        precision = getattr(glue.comfy_attention(), "get_attn_precision", lambda p, d: p)(attn_precision, q.dtype)
+        precision = getattr(environment.comfy_attention(), "get_attn_precision", lambda p, d: p)(attn_precision, q.dtype)
         try:
             out = run(q, k, v, heads, mask, skip_reshape, skip_output_reshape, upcast=precision == torch.float32)
         except NoAttentionBackend:
@@ -78,27 +78,23 @@ def comfy_attention_override(attention, report, low_precision: bool = False):
     return override
 
 
-class SDOptAttention:
+class SDOptAttention(PatchNode):
     DESCRIPTION = (
         "Runs the diffusion model's attention through an sdopt backend: sdpa (forced kernels too), xformers, sage, "
         "flash_attn, sliced, sub_quadratic, naive, low_memory (exact attention in the least memory), or auto (times "
         "the available exact ones on the first call and keeps the fastest that matches naive; sage, which quantizes, "
         "only by name). Returns a patched clone. A backend that cannot run falls back with a note, or raises."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return attention_inputs("model", "MODEL")
+    def inputs(cls):
+        return attention_inputs()
 
     def patch(self, model, backend, on_unavailable, slice_size, memory_budget_mb):
-        glue.check_inputs(SDOptAttention, backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_mb=memory_budget_mb)
-        m = glue.patched_clone(model, NODE)
-        if not hasattr(glue.comfy_attention(), "wrap_attn"):
-            glue.fall_back_or_raise(on_unavailable, NO_OVERRIDE, "run ComfyUI's own attention")
-            glue.record_model(m, NODE, backend, "ComfyUI default", "fallback: this ComfyUI has no per-model attention override (0.3.60+)",
+        m = patching.patched_clone(model, NODE)
+        if not hasattr(environment.comfy_attention(), "wrap_attn"):
+            patching.fall_back_or_raise(on_unavailable, NO_OVERRIDE, "run ComfyUI's own attention")
+            patching.record_model(m, NODE, backend, "ComfyUI default", "fallback: this ComfyUI has no per-model attention override (0.3.60+)",
                               "runs ComfyUI's own attention: this ComfyUI has no per-model override")
             return (m,)
         config, active, note = configure(backend, on_unavailable, slice_size, memory_budget_mb, model.load_device)
@@ -113,7 +109,7 @@ class SDOptAttention:
             state = (run, len(attention.decisions), reported["delegated_in"] is run)
             if state != reported["state"] and (state[1] or state[2]):
                 picked, why = summarize_decisions(attention.decisions) if state[1] else ("ComfyUI's own", "")
-                glue.record_in_run(NODE, backend, picked, "; ".join(filter(None, [why, DELEGATED if state[2] else ""])),
+                patching.record_in_run(NODE, backend, picked, "; ".join(filter(None, [why, DELEGATED if state[2] else ""])),
                                    shortfall(backend, picked if state[1] else "", state[2]))
                 reported["state"] = state
 
@@ -124,10 +120,10 @@ class SDOptAttention:
             finally:
                 report()
 
-        glue.set_wrappers(m, NODE, {"SAMPLER_SAMPLE": report_after_sampling})
+        patching.set_wrappers(m, NODE, {"SAMPLER_SAMPLE": report_after_sampling})
         transformer_options = dict(m.model_options.get("transformer_options", {}))
         transformer_options[OVERRIDE_KEY] = comfy_attention_override(attention, report, runs_low_precision(backend))
         m.model_options["transformer_options"] = transformer_options
-        glue.set_attention_memory_profile(m, attention_memory_is_linear(backend if backend in (AUTO, LOW_MEMORY) else active))
-        glue.record_model(m, NODE, backend, active, note, shortfall(backend, active))
+        patching.set_attention_memory_profile(m, attention_memory_is_linear(backend if backend in (AUTO, LOW_MEMORY) else active))
+        patching.record_model(m, NODE, backend, active, note, shortfall(backend, active))
         return (m,)

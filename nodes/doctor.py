@@ -1,14 +1,16 @@
 """SDOptDoctor (output node): ``python -m sdopt doctor`` inside the running ComfyUI, shown on the node.
 
-The checks are ``tools.doctor``'s; this face reads ComfyUI from the live process (its device, its
+The checks are ``nodes/checks``; this face reads ComfyUI from the live process (its device, its
 version, whether dynamic VRAM is on), sends the rows to the browser as one ``sdopt.doctor`` event
 (web/sdopt.js renders them in the node), and saves them as JSON in the output folder.
 """
 import json
 import os
 
-from ..tools.doctor import CHECKS, comfyui_device, comfyui_info, doctor_table, run_checks, summary
-from . import glue, prompt_context
+from . import prompt_context
+from .base import SavingNode
+from .checks import CHECKS, comfyui_device, comfyui_info, doctor_table, run_checks, summary
+from .inputs import output_file_base
 
 NODE = "SDOptDoctor"
 EVENT = "sdopt.doctor"
@@ -20,33 +22,20 @@ def _comfyui_root() -> str | None:
     return getattr(folder_paths, "base_path", None)
 
 
-class SDOptDoctor:
+class SDOptDoctor(SavingNode):
     DESCRIPTION = (
         "Tries what sdopt needs on this machine, one tiny run each: the device, bf16/fp16/fp8 storage and compute, every "
         "attention backend against sdpa, an inductor compile, a CUDA graph capture, ComfyUI's version and memory mode, "
         "sdopt's compile cache, and which modes of each sdopt node run here. Each row gives the result and, for what "
         "does not work, the fix. Same as `python -m sdopt doctor`; it re-runs on every queue."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ()
     FUNCTION = "examine"
-    OUTPUT_NODE = True
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {"filename_prefix": ("STRING", {"default": "sdopt/doctor", "tooltip": "Where the JSON rows are saved, under the output folder."})},
-            "hidden": {"unique_id": "UNIQUE_ID"},
-        }
-
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")
+    PREFIX_DEFAULT, PREFIX_TOOLTIP = "sdopt/doctor", "Where the JSON rows are saved, under the output folder."
 
     def examine(self, filename_prefix, unique_id=None):
         import comfy.utils
 
-        folder, name, counter, subfolder = glue.output_file_base(filename_prefix)
+        folder, name, counter, subfolder = output_file_base(filename_prefix)
         bar = comfy.utils.ProgressBar(len(CHECKS))
         rows = run_checks(comfyui_device(), comfyui_info(_comfyui_root(), in_server=True), lambda _name: bar.update(1))
         path = os.path.join(folder, f"{name}_{counter:05}_.json")

@@ -1,26 +1,26 @@
-"""The fast path: one chain of UNet-forward techniques (step cache, compile, CUDA graph).
+"""The fast path: one chain of forward-level techniques, and the gate that sends a call round it.
 
 ``FastPath`` is the DIFFUSION_MODEL wrapper (for a model ComfyUI runs no such wrappers around, SD3's
-MMDiT, it sits behind ``ForwardRouter``, an APPLY_MODEL wrapper) that SDOptStepCache, SDOptCompile
-and SDOptCUDAGraph configure, each at its place in ``CHAIN``: the step cache picks which forward a call runs (the whole
-UNet or its shallow branch), compile compiles it and a CUDA graph replays it. ``fast_path_clone`` is
-what those nodes call; ``ComfyUNetBlocks`` shows ComfyUI's UNetModel to the step cache.
+MMDiT, it sits behind ``ForwardRouter``, an APPLY_MODEL wrapper) that the forward-level nodes
+configure. Each such node declares a ``ChainMember`` in its own module: its place in the chain, how it
+changes the forward, what it counts as warm-up and the record it writes from its stats; this module
+knows none of them by name. It keeps the chain (members innermost first, whatever order the nodes come
+in), the eager gate (``_why_eager``: the calls the chain cannot serve run as ComfyUI would) and
+``fast_path_clone``, what those nodes call.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-
-import torch
+from dataclasses import dataclass
 
 from ..errors import Unavailable
-from ..families import DiffusionCall, Family
+from ..families import DiffusionCall
 from ..measure.profiler import active_run
-from .glue import (ModelFamily, call_key, fall_back_or_raise, model_family, non_dynamic_clone, record_in_run, record_model, set_wrappers,
-                   trim_heap_after_sampling, wrapper_types)
+from .environment import ModelFamily, model_family, non_dynamic_clone
+from .patching import fall_back_or_raise, record_in_run, record_model, set_wrappers, trim_heap_after_sampling, wrapper_types
 
 FAST_PATH_KEY = "sdopt.fast_path"
 # sdopt Step Cache's first_block patches carry their cache in this attribute: under regional compile
@@ -28,12 +28,10 @@ FAST_PATH_KEY = "sdopt.fast_path"
 # going eager
 BLOCK_CACHE_ATTRIBUTE = "sdopt_first_block_cache"
 NEVER_CALLED = "ComfyUI never called the diffusion model through the fast path in this run (it ran no DIFFUSION_MODEL wrapper)"
-# Below this, inductor's per-step copy of NCHW conv weights costs microseconds: not worth a note.
-NCHW_NOTE_MIN_BYTES = 2**20
 _KEPT_OPTIONS = ("optimized_attention_override", "patches_replace")
 FIRST_BLOCK_EAGER = ("sdopt Step Cache first_block, which decides per call between the blocks: only Compile's "
                      "compile_regional (no CUDA Graph) runs beside it")
-PLAIN_STEP, FULL_STEP, SHALLOW_STEP = "plain", "full", "shallow"
+PLAIN_STEP = "plain"
 
 
 def schedule_position(transformer_options: dict) -> float | None:
@@ -50,69 +48,6 @@ def _diffusion_forward(options: dict, method: str, unet, *tensors):
     """The diffusion model's forward on its tensor inputs, in its family's order, with no control:
     its class's ``method`` (``DiffusionCall.plain_forward``), never a forward routed per instance."""
     return getattr(type(unet), method)(unet, *tensors, None, dict(options))
-
-
-def _cached_full_forward(options: dict, branch: int, unet, *tensors):
-    """(output, deep features) of the whole UNet, for the step cache to keep."""
-    from ..optim.step_cache import full_forward
-
-    return full_forward(comfy_unet_blocks(unet, dict(options)), branch, *tensors)
-
-
-def _cached_shallow_forward(options: dict, branch: int, unet, *tensors_and_deep):
-    """The UNet's output from its shallow branch and kept deep features (the last input)."""
-    from ..optim.step_cache import shallow_forward
-
-    *tensors, deep = tensors_and_deep
-    return shallow_forward(comfy_unet_blocks(unet, dict(options)), branch, *tensors, deep=deep)
-
-
-class ComfyUNetBlocks:
-    """ComfyUI's UNetModel as the step cache's ``UNetBlocks``: the same calls, in the same order,
-    with the same transformer options as its ``_forward`` without control or patches (the fast path
-    runs those calls eagerly)."""
-
-    def __init__(self, unet, transformer_options: dict):
-        from comfy.ldm.modules.diffusionmodules import openaimodel
-
-        self.unet, self.options, self.host = unet, transformer_options, openaimodel
-        self.depth = len(unet.input_blocks)
-
-    def _block(self, module, h, emb, context, output_shape=None):
-        return self.host.forward_timestep_embed(module, h, emb, context, self.options, output_shape,
-                                                num_video_frames=getattr(self.unet, "default_num_video_frames", None))
-
-    def embed(self, x, timesteps, y):
-        unet = self.unet
-        self.options["original_shape"] = list(x.shape)
-        self.options["transformer_index"] = 0
-        emb = unet.time_embed(self.host.timestep_embedding(timesteps, unet.model_channels, repeat_only=False).to(x.dtype))
-        return emb if unet.num_classes is None else emb + unet.label_emb(y)
-
-    def down(self, index, h, emb, context):
-        self.options["block"] = ("input", index)
-        return self._block(self.unet.input_blocks[index], h, emb, context)
-
-    def middle(self, h, emb, context):
-        self.options["block"] = ("middle", 0)
-        return h if self.unet.middle_block is None else self._block(self.unet.middle_block, h, emb, context)
-
-    def up(self, index, h, skip, emb, context, output_shape):
-        self.options["block"] = ("output", index)
-        return self._block(self.unet.output_blocks[index], torch.cat([h, skip], dim=1), emb, context, output_shape)
-
-    def head(self, h, x):
-        h = h.type(x.dtype)
-        return self.unet.id_predictor(h) if self.unet.predict_codebook_ids else self.unet.out(h)
-
-
-def comfy_unet_blocks(unet, transformer_options: dict | None = None) -> ComfyUNetBlocks | None:
-    """``unet`` seen as the step cache's blocks, or None where it is not ComfyUI's UNetModel layout
-    (as many down as up blocks, a time embedding, an output head)."""
-    layout = ("input_blocks", "middle_block", "output_blocks", "time_embed", "out", "model_channels")
-    if not all(hasattr(unet, name) for name in layout) or len(unet.input_blocks) != len(unet.output_blocks):
-        return None
-    return ComfyUNetBlocks(unet, {} if transformer_options is None else transformer_options)
 
 
 def _bind(call: DiffusionCall, args: tuple, kwargs: dict) -> tuple[tuple, object, object, dict] | None:
@@ -134,24 +69,6 @@ def _identity(option) -> tuple | int:
     if isinstance(option, dict):
         return tuple((name, tuple(map(id, patches.values()))) for name, patches in option.items())
     return id(option)
-
-
-def _without(keys: frozenset, options: dict) -> dict:
-    return options if keys.isdisjoint(options) else {name: value for name, value in options.items() if name not in keys}
-
-
-def positionless_block_options(family: Family | None, options: dict) -> Callable[[dict], dict] | None:
-    """What regional compile hands each block for its options: ComfyUI's without the keys that say
-    the block's place (``Family.block_position_options``), where nothing in the call reads them: no
-    patch keyed by place, and no attention override but sdopt's. None (as ComfyUI gives them) elsewhere,
-    and for a model of a family sdopt does not know, whose blocks may read them."""
-    from .attention import OVERRIDE_KEY, POSITION_BLIND
-
-    keys = frozenset(family.block_position_options if family is not None else ())
-    override = options.get(OVERRIDE_KEY)
-    if not keys or options.get("patches_replace") or (override is not None and not getattr(override, POSITION_BLIND, False)):
-        return None
-    return functools.partial(_without, keys)
 
 
 def _only_block_cache_patches(transformer_options: dict) -> bool:
@@ -185,105 +102,158 @@ def _why_eager(executor, control, transformer_options, kwargs: dict, blocks_comp
     return None
 
 
-# The fast path's chain, innermost first. The step cache picks which forward a call runs (the whole
-# UNet or its shallow branch); compile then compiles that forward itself (so it comes first of the
-# wrappers), and a CUDA graph captures what compile made, so a graph replays compiled kernels and
-# never the other way round. The order of the nodes in a workflow does not matter.
-STEP_CACHE, COMPILE, GRAPH = "step_cache", "compile", "graph"
-CHAIN = (STEP_CACHE, COMPILE, GRAPH)
+@dataclass(frozen=True)
+class EagerCalls:
+    """What a sampling run's calls that bypassed the chain come to, for every member's record: the
+    long note (each reason with its count) and the one-line shortfall ("" where none did)."""
+
+    note: str
+    short: str
 
 
-def _compile_transform(fast_path: "FastPath", unet, fn, call, config):
-    """(forward, what holds its stats, sdopt's compile cache entry or None): ``call`` compiled."""
-    from ..optim.compile import ArtifactCache, compile_forward, nchw_conv_weight_bytes
+@dataclass(frozen=True)
+class Warmup:
+    """What a part of a runner has spent on set-up so far: its kind for the profiler (``"compile"``,
+    ``"capture"``), how many times, and the seconds."""
 
-    compiled = compile_forward(unet, call, config)
-    fast_path.nchw_conv_bytes = nchw_conv_weight_bytes(unet, config)
-    if config.mode == "trace":
-        return compiled, compiled, None
-    cache = ArtifactCache.for_module(unet, config, fast_path.cache_root)
-    cache.load()
-    return cache.wrap(compiled), compiled, cache  # every call, recompiles too, with torch's compiler caches in sdopt's entry
+    kind: str
+    count: int
+    seconds: float
 
 
-def _graph_transform(fast_path: "FastPath", unet, fn, call, config):
-    """(forward, what holds its stats, None): ``fn`` captured per input signature."""
-    from ..optim.cuda_graph import GraphedFunction, module_weights
+class ChainMember:
+    """One forward-level technique on the fast path, declared by its node's module as one instance.
 
-    graphed = GraphedFunction(fn, module_weights(unet), config)
-    return graphed, graphed, None
+    ``place`` orders the chain, innermost first: a member that selects which forward a call runs
+    (the step cache, 10) sits inside one that compiles the forward it is given (20), which sits inside
+    one that replays what it is given (CUDA graphs, 30). A member overrides what it does; the defaults
+    leave the forward as it is and count nothing.
+    """
 
+    node: str = ""  # the node class whose record the member writes
+    place: int = 0
+    selects_forward = False  # whether it picks, per call, which kind of forward runs (at most one member)
+    speed_only = False  # whether the output stays eager's: a run without the node is the run's eager twin
 
-_WRAPPERS = {COMPILE: _compile_transform, GRAPH: _graph_transform}
+    def wrap(self, fast_path: "FastPath", unet, fn: Callable, call: Callable, config, options: dict):
+        """(forward, the part that holds its stats, what keeps its code on disk or None): ``fn``, the
+        forward of the members inside this one, changed by this member; ``call`` is the plain
+        ``call(unet, *tensors)`` that ``fn`` binds."""
+        return fn, None, None
+
+    def warmup(self, part) -> Warmup | None:
+        return None
+
+    def keeps_forward_code(self, config) -> bool:
+        """Whether the forward's own Python code still runs under this member (so block patches do)."""
+        return False
+
+    def new_state(self, config):
+        """What the member keeps per fast path across calls (a step cache's schedule), or None."""
+        return None
+
+    def warmed_up(self, state, part, cache) -> None:
+        """After a call whose warm-up count rose: e.g. keep what was compiled."""
+
+    def begin_run(self, state) -> None:
+        """As a sampling run starts."""
+
+    def end_run(self, state) -> None:
+        """As a sampling run ends, finished or not."""
+
+    def select(self, state, config, run: Callable, transformer_options: dict, tensors: tuple):
+        """A selecting member's answer to one call: ``run(kind, tensors)`` for the kinds it picks."""
+        raise NotImplementedError
+
+    def forward_of(self, kind: str, options: dict, config) -> Callable:
+        """A selecting member's ``call(unet, *tensors)`` for one of its kinds of forward."""
+        raise NotImplementedError
+
+    def fallback(self, reason: str) -> tuple[str, str, str]:
+        """(active, note, short) of the record where the member cannot run and the model runs eager."""
+        return "eager", f"{reason}; running eager", f"runs eager: {reason}"
+
+    def record(self, fast_path: "FastPath", config, state, parts: list, eager: EagerCalls) -> tuple[str, str, str]:
+        """(active, note, short) of the member's record after a sampling run, from its parts' stats."""
+        raise NotImplementedError
 
 
 class FastPath:
-    """The DIFFUSION_MODEL wrapper of SDOptCompile, SDOptCUDAGraph and SDOptStepCache (or what
-    ``ForwardRouter`` calls): one per patched clone.
+    """The DIFFUSION_MODEL wrapper of the forward-level nodes (or what ``ForwardRouter`` calls): one
+    per patched clone.
 
     The diffusion model is called with its tensor inputs only (those ``family``'s call names:
-    SDXL's ``y`` too), through ``CHAIN``: the techniques in ``configs`` (keyed by their place in the
-    chain), innermost first. With a step cache each call runs either the whole UNet (keeping its
-    deep features) or its shallow branch on kept features, as the step cache's schedule says; each
-    of the two is compiled and captured on its own. Its state (compiled code, graphs) is shared by
+    SDXL's ``y`` too), through the members in ``configs`` (a ``ChainMember`` each, with its config),
+    innermost first. A selecting member (the step cache) picks per call which kind of forward runs,
+    and each kind is compiled and captured on its own. Its state (compiled code, graphs) is shared by
     clones made downstream (e.g. by a LoRA loader); the weight identity check makes those use their
-    own weights, and the step cache starts afresh with every sampling run.
+    own weights, and each member's per-run state starts afresh with every sampling run.
     """
 
     def __init__(self, configs: dict, family: ModelFamily, cache_root=None):
-        from ..optim.step_cache import CacheSchedule
-
-        unknown = set(configs) - set(CHAIN)
+        unknown = [member for member in configs if not isinstance(member, ChainMember)]
         if unknown:
-            raise ValueError(f"not in the fast path's chain {CHAIN}: {sorted(unknown)}")
-        self.configs = {name: configs[name] for name in CHAIN if configs.get(name) is not None}
-        self.schedule = CacheSchedule(self.step_cache_config) if self.step_cache_config else None
+            raise ValueError(f"not a member of the fast path's chain: {unknown}")
+        members = sorted((member for member, config in configs.items() if config is not None), key=lambda member: member.place)
+        if len({member.place for member in members}) < len(members) or sum(member.selects_forward for member in members) > 1:
+            raise ValueError(f"two members of the fast path's chain at one place, or two that select the forward: {members}")
+        self.configs = {member: configs[member] for member in members}
+        self.states = {member: member.new_state(config) for member, config in self.configs.items()}
+        self.selector = next((member for member in members if member.selects_forward), None)
         self.family = family
         self.cache_root = cache_root
         self.runners: dict[tuple, tuple] = {}
         self.eager_reasons: dict[str, int] = {}
         self.calls = 0  # in the current sampling run
-        self.nchw_conv_bytes = 0
-        self.cache_saved = None
         self.requested: dict[str, str] = {}
         self.notes: dict[str, Callable[[], str]] = {}  # per node: what else its record says after a run
 
-    compile_config = property(lambda self: self.configs.get(COMPILE))
-    graph_config = property(lambda self: self.configs.get(GRAPH))
-    step_cache_config = property(lambda self: self.configs.get(STEP_CACHE))
+    def _member(self, node: str) -> ChainMember | None:
+        return next((member for member in self.configs if member.node == node), None)
+
+    def config_of(self, node: str):
+        """The config of ``node``'s member, None where the chain has none."""
+        member = self._member(node)
+        return None if member is None else self.configs[member]
+
+    def state_of(self, node: str):
+        member = self._member(node)
+        return None if member is None else self.states[member]
+
+    def stats(self, node: str) -> list:
+        """The stats of ``node``'s part of every runner that has one."""
+        member = self._member(node)
+        return [parts[member].stats for _, _, parts, _ in self.runners.values() if member in parts]
 
     @property
-    def compiles_blocks_only(self) -> bool:
-        """Whether the chain is regional compile alone (the forward's own code still runs)."""
-        compile_config = self.compile_config
-        return set(self.configs) == {COMPILE} and compile_config.mode == "compile_regional"
+    def keeps_forward_code(self) -> bool:
+        """Whether the forward's own code still runs whatever the chain does (regional compile alone)."""
+        return all(member.keeps_forward_code(config) for member, config in self.configs.items())
 
-    def with_config(self, name: str, config) -> "FastPath":
-        """A new fast path (fresh compiled code, graphs and step cache) with ``name``'s config replaced."""
-        new = FastPath({**self.configs, name: config}, self.family, self.cache_root)
+    def with_config(self, member: ChainMember, config) -> "FastPath":
+        """A new fast path (fresh compiled code, graphs and per-run state) with ``member``'s config replaced."""
+        new = FastPath({**self.configs, member: config}, self.family, self.cache_root)
         new.requested = dict(self.requested)
         new.notes = dict(self.notes)
         return new
 
     def _runner(self, unet, options: dict, kind: str = PLAIN_STEP):
-        """(fn, {chain name: what holds its stats}, compile cache entry or None) of one kind of call:
-        the plain forward, or the step cache's full or shallow one; each kind compiles and captures
-        its own code."""
+        """(fn, {member: the part that holds its stats}, what keeps compiled code or None) of one
+        kind of call: the plain forward, or one the selecting member picks; each kind compiles and
+        captures its own code."""
         key = (id(unet), tuple(_identity(options.get(name)) for name in _KEPT_OPTIONS), kind)
         if key in self.runners and self.runners[key][0] is unet:
             return self.runners[key][1:]
         if kind == PLAIN_STEP:
             call = functools.partial(_diffusion_forward, options, self.family.call.plain_forward)
         else:
-            forward = _cached_full_forward if kind == FULL_STEP else _cached_shallow_forward
-            call = functools.partial(forward, options, self.step_cache_config.branch)
+            call = self.selector.forward_of(kind, options, self.configs[self.selector])
         fn, parts, cache = functools.partial(call, unet), {}, None
-        for name, config in self.configs.items():
-            if name == COMPILE and config.mode == "compile_regional":
-                config = dataclasses.replace(config, block_options=positionless_block_options(self.family.family, options))
-            if name in _WRAPPERS:
-                fn, parts[name], entry = _WRAPPERS[name](self, unet, fn, call, config)
-                cache = entry or cache
+        for member, config in self.configs.items():
+            fn, part, entry = member.wrap(self, unet, fn, call, config, options)
+            if part is not None:
+                parts[member] = part
+            cache = entry or cache
         self.runners[key] = (unet, fn, parts, cache)
         return fn, parts, cache
 
@@ -294,56 +264,64 @@ class FastPath:
             reason = f"more positional inputs than {self.family.described.title}'s call takes"
         else:
             tensors, control, transformer_options, extra = bound
-            reason = _why_eager(executor, control, transformer_options, extra, self.compiles_blocks_only)
+            reason = _why_eager(executor, control, transformer_options, extra, self.keeps_forward_code)
         if reason:
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
             return executor(*args, **kwargs)
         options = {name: transformer_options[name] for name in _KEPT_OPTIONS if transformer_options.get(name)}
-        if self.schedule is None:
-            return self._run(executor.class_obj, options, PLAIN_STEP, tensors)
-        key = call_key(transformer_options)
-        shapes = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
-        deep = self.schedule.decide(key, shapes, schedule_position(transformer_options) if self.schedule.config.bounded else None)
-        if deep is not None:
-            return self._run(executor.class_obj, options, SHALLOW_STEP, (*tensors, deep))
-        output, deep = self._run(executor.class_obj, options, FULL_STEP, tensors)
-        self.schedule.keep(key, shapes, deep)
-        return output
+        run = functools.partial(self._run, executor.class_obj, options)
+        if self.selector is None:
+            return run(PLAIN_STEP, tensors)
+        selector = self.selector
+        return selector.select(self.states[selector], self.configs[selector], run, transformer_options, tensors)
 
     def _run(self, unet, options: dict, kind: str, tensors: tuple):
         fn, parts, cache = self._runner(unet, options, kind)
-        before = _warmup_counters(parts)
+        before = {member: member.warmup(part) for member, part in parts.items()}
         with _malloc_graph_paused():
             output = fn(*tensors)
-        compilations, compile_s, captures, capture_s = (now - then for now, then in zip(_warmup_counters(parts), before))
-        if cache is not None and compilations:
-            self.cache_saved = cache.save()
-        run = active_run()
-        if run is not None and compilations:
-            run.warm_up("compile", compile_s)
-        if run is not None and captures:
-            # the capture's warm-up runs call the compiled forward: a compile in this call lies
-            # inside the capture's time, and is counted once, above
-            run.warm_up("capture", capture_s - compile_s)
+        run, inner_seconds = active_run(), 0.0
+        for member, part in parts.items():  # innermost first: an outer part's warm-up calls the inner ones
+            then, now = before[member], member.warmup(part)
+            if now is None:
+                continue
+            count, seconds = now.count - then.count, now.seconds - then.seconds
+            if count:
+                member.warmed_up(self.states[member], part, cache)
+                if run is not None:
+                    run.warm_up(now.kind, seconds - inner_seconds)  # an inner warm-up in this call is counted once, there
+            inner_seconds += seconds
         return output
 
-    def stats(self) -> tuple[list, list]:
-        """(compile stats, graph stats), one per runner that has them."""
-        parts = [entry[2] for entry in self.runners.values()]
-        return [p[COMPILE].stats for p in parts if COMPILE in p], [p[GRAPH].stats for p in parts if GRAPH in p]
+    def begin_run(self) -> None:
+        self.calls, self.eager_reasons = 0, {}
+        for member, state in self.states.items():
+            member.begin_run(state)
+
+    def end_run(self) -> None:
+        """Every member's state released, and the record of each member whose node asked, filed in the run."""
+        for member, state in self.states.items():
+            member.end_run(state)
+        eager, run = self._eager_calls(), active_run()
+        for member, config in self.configs.items():
+            if member.speed_only and run is not None:
+                run.speed_only_nodes.add(member.node)
+            if member.node in self.requested:
+                parts = [parts[member] for _, _, parts, _ in self.runners.values() if member in parts]
+                record_in_run(member.node, self.requested[member.node], *member.record(self, config, self.states[member], parts, eager))
+
+    def _eager_calls(self) -> EagerCalls:
+        reasons = self.eager_reasons
+        note = "; ".join(filter(None, [*(f"eager for {reason} ({n}x)" for reason, n in reasons.items()), self.family.unknown_note]))
+        short = f"eager for {_some_reasons(reasons)}" if reasons else ""
+        if not self.calls:
+            return EagerCalls("; ".join(filter(None, [NEVER_CALLED, note])), "did nothing: " + NEVER_CALLED)
+        return EagerCalls(note, short)
 
 
 def _some_reasons(counts: dict[str, int]) -> str:
     """The reasons some calls ran eagerly, with how many: one line."""
     return ", ".join(f"{reason} ({n}x)" for reason, n in counts.items())
-
-
-def _warmup_counters(parts: dict) -> tuple[int, float, int, float]:
-    """(compilations, compile seconds, captures, capture seconds) of a runner so far: a call that
-    raises them is a warm-up step for the profiler."""
-    compiled, graphed = parts.get(COMPILE), parts.get(GRAPH)
-    compiles = (compiled.stats.compilations, compiled.stats.compile_seconds) if compiled else (0, 0.0)
-    return compiles + ((graphed.stats.captures, graphed.stats.capture_seconds) if graphed else (0, 0.0))
 
 
 @contextmanager
@@ -398,66 +376,35 @@ def fast_path_of(model) -> FastPath | None:
 
 
 def install_fast_path(model, fast_path: FastPath) -> None:
-    """Put ``fast_path`` on ``model`` and file its compile and graph figures after each sampling run."""
-
-    requested = fast_path.requested
+    """Put ``fast_path`` on ``model``, each sampling run opening and closing its members' state and
+    filing their records."""
 
     def report_after_sampling(executor, *args, **kwargs):
-        if fast_path.schedule is not None:
-            fast_path.schedule.reset()
-        fast_path.calls, fast_path.eager_reasons = 0, {}
+        fast_path.begin_run()
         try:
             return executor(*args, **kwargs)
         finally:
-            if fast_path.schedule is not None:
-                fast_path.schedule.release()
-            compile_stats, graph_stats = fast_path.stats()
-            eager = "; ".join(filter(None, [*(f"eager for {reason} ({n}x)" for reason, n in fast_path.eager_reasons.items()), fast_path.family.unknown_note]))
-            eager_short = f"eager for {_some_reasons(fast_path.eager_reasons)}" if fast_path.eager_reasons else ""
-            if not fast_path.calls:
-                eager = "; ".join(filter(None, [NEVER_CALLED, eager]))
-                eager_short = "did nothing: " + NEVER_CALLED
-            if "SDOptCompile" in requested and fast_path.compile_config:
-                warm = "; ".join(dict.fromkeys(filter(None, (cache.note() for *_, cache in fast_path.runners.values() if cache))))
-                layout = (
-                    f"{fast_path.nchw_conv_bytes / 2**20:,.0f} MiB of conv weights are stored NCHW, so inductor copies them to "
-                    "channels-last on every step: sdopt Precision's channels_last stores them that way once"
-                ) if fast_path.nchw_conv_bytes >= NCHW_NOTE_MIN_BYTES else ""
-                details = [line for s in compile_stats for line in s.details()]
-                note = "; ".join(filter(None, [fast_path.notes.get("SDOptCompile", str)(), *details, warm,
-                                               f"cache: {fast_path.cache_saved}" if fast_path.cache_saved else "", layout, eager]))
-                active = f"{fast_path.compile_config.settings()}: " + " | ".join(s.summary() for s in compile_stats)
-                short = "; ".join(dict.fromkeys(filter(None, [*(s.shortfall() for s in compile_stats), eager_short])))
-                record_in_run("SDOptCompile", requested["SDOptCompile"], active, note, short)
-            if "SDOptStepCache" in requested and fast_path.schedule is not None:
-                cache_stats = fast_path.schedule.stats
-                note = "; ".join(filter(None, [fast_path.notes.get("SDOptStepCache", str)(), eager]))
-                short = "; ".join(filter(None, [cache_stats.shortfall(), eager_short]))
-                record_in_run("SDOptStepCache", requested["SDOptStepCache"], f"{fast_path.step_cache_config.settings()}: {cache_stats.summary()}",
-                              note, short)
-            if "SDOptCUDAGraph" in requested and fast_path.graph_config:
-                active = "CUDA graph: " + " | ".join(s.summary() for s in graph_stats)
-                record_in_run("SDOptCUDAGraph", requested["SDOptCUDAGraph"], active, eager, eager_short)
+            fast_path.end_run()
 
     # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open here
     entry = {"DIFFUSION_MODEL": fast_path} if fast_path.family.call.runs_wrappers else {"APPLY_MODEL": ForwardRouter(fast_path)}
     set_wrappers(model, FAST_PATH_KEY, {**entry, "SAMPLER_SAMPLE": report_after_sampling})
 
 
-def fast_path_clone(model, node: str, requested: str, problem: Unavailable | None, on_unavailable: str, name: str, config):
-    """(clone, note) for SDOptCompile, SDOptCUDAGraph and SDOptStepCache: the clone's fast path gets
-    ``config`` at ``name``'s place in ``CHAIN`` (the rest of the chain as the input model had it). Where ``problem``
-    says the technique cannot run, or where ComfyUI has no non-dynamic copy of a dynamic VRAM model for it:
-    ``fall_back_or_raise``, then the clone as it is, recorded as eager, and a None note."""
+def fast_path_clone(model, member: ChainMember, requested: str, problem: Unavailable | None, on_unavailable: str, config):
+    """(clone, note) for a forward-level node: the clone's fast path gets ``config`` at ``member``'s
+    place (the rest of the chain as the input model had it). Where ``problem`` says the technique
+    cannot run, or where ComfyUI has no non-dynamic copy of a dynamic VRAM model for it:
+    ``fall_back_or_raise``, then the clone as it is with the member's fallback record, and a None note."""
     unavailable = fall_back_or_raise(on_unavailable, problem, "run eager")
     m, path_note, delegate_problem = (model.clone(), "", None) if unavailable else non_dynamic_clone(model)
     unavailable = unavailable or fall_back_or_raise(on_unavailable, delegate_problem, "run eager")
     if unavailable:
         trim_heap_after_sampling(m)
-        record_model(m, node, requested, "eager", f"{unavailable}; running eager", f"runs eager: {unavailable}")
+        record_model(m, member.node, requested, *member.fallback(unavailable))
         return m, None
     current = fast_path_of(m)
-    fast_path = current.with_config(name, config) if current else FastPath({name: config}, model_family(m))
-    fast_path.requested[node] = requested
+    fast_path = current.with_config(member, config) if current else FastPath({member: config}, model_family(m))
+    fast_path.requested[member.node] = requested
     install_fast_path(m, fast_path)
     return m, "; ".join(filter(None, [path_note, fast_path.family.unknown_note]))

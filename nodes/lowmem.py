@@ -13,47 +13,43 @@ Flux's ``nn.Sequential`` MLPs); the record counts what can be chunked on this mo
 """
 from ..optim.attention import LOW_MEMORY
 from ..optim.lowmem import LowMemConfig, chunkable, run_low_memory
-from . import glue
+from . import call_rows, environment, patching
 from .attention import SDOptAttention
+from .base import PatchNode
 
 NODE = "SDOptLowMemory"
 
 
-class SDOptLowMemory:
+class SDOptLowMemory(PatchNode):
     DESCRIPTION = (
         "Runs the diffusion model so that each operation stays within a working-memory budget: cond and uncond one "
         "after the other, GroupNorm in chunks (statistics first), convolutions and feed-forwards over slices, and "
         "exact attention in linear memory (PyTorch's fused sdpa kernels, else sub-quadratic chunks sized from the budget). The output equals the normal one to float rounding; use it "
         "when activations, not weights, run out of memory at large resolutions."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": glue.patched_input("MODEL"),
+    def inputs(cls):
+        return {
             "budget_mb": ("INT", {"default": 256, "min": 1, "max": 1 << 20, "tooltip": "Working memory one operation may use, beyond its input and output."}),
             "sequential_cfg": ("BOOLEAN", {"default": True, "tooltip": "Run cond and uncond one after the other instead of as one batch."}),
             "chunk_ops": ("BOOLEAN", {"default": True, "tooltip": "Chunk GroupNorm and slice convolutions and feed-forwards over the budget."}),
-        }}
+        }
 
     def patch(self, model, budget_mb, sequential_cfg, chunk_ops):
-        glue.check_inputs(SDOptLowMemory, budget_mb=budget_mb, sequential_cfg=sequential_cfg, chunk_ops=chunk_ops)
-        family = glue.model_family(model)
+        family = environment.model_family(model)
         config = LowMemConfig(budget_mb << 20, sequential_cfg, chunk_ops, chunk_ops, chunk_ops,
                               feedforward_modules=family.described.feedforward_modules)
         (m,) = SDOptAttention().patch(model, LOW_MEMORY, "fallback", 0, budget_mb)
 
         def low_memory_call(executor, x, *args, **kwargs):
             return run_low_memory(config, executor, x, *args, within=executor.class_obj.diffusion_model,
-                                  label_part=glue.label_batch_rows, **kwargs)
+                                  label_part=call_rows.label_batch_rows, **kwargs)
 
-        glue.set_wrappers(m, NODE, {"APPLY_MODEL": low_memory_call})
+        patching.set_wrappers(m, NODE, {"APPLY_MODEL": low_memory_call})
         # Every other APPLY_MODEL wrapper (sdopt Step Cache's, other packs') then sees each part of a
         # split batch as a call of its own, as if ComfyUI had made it, whatever the nodes' order.
-        glue.make_outermost(m, NODE, "APPLY_MODEL")
+        patching.make_outermost(m, NODE, "APPLY_MODEL")
         counts = chunkable(m.get_model_object("diffusion_model"), config) if chunk_ops else {}
         chunked = ", ".join(f"{n} {kind}" for kind, n in counts.items() if n)
         parts = [f"budget {budget_mb} MiB", f"{LOW_MEMORY} attention"] + (["sequential cfg"] if sequential_cfg else []) + (
@@ -64,5 +60,5 @@ class SDOptLowMemory:
         note = "; ".join(filter(None, ["attention set through sdopt Attention (its record is beside this one)", lacking,
                                        family.unknown_note]))
         short = "no feed-forwards to slice" if chunk_ops and not counts.get("feed-forwards") else ""
-        glue.record_model(m, NODE, requested, ", ".join(parts), note, short)
+        patching.record_model(m, NODE, requested, ", ".join(parts), note, short)
         return (m,)

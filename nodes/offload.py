@@ -12,7 +12,9 @@ ComfyUI 0.38's dynamic VRAM streams every model under one global policy; ``none`
 this model's budget holds. The record says which path ran.
 """
 from ..optim.offload import MIB, MODES, OffloadConfig, plan_residency, residency_summary, unavailable
-from . import glue
+from . import environment, patching
+from .base import PatchNode
+from .inputs import on_unavailable_input
 
 NODE = "SDOptOffload"
 
@@ -72,7 +74,7 @@ def offload_wrappers(config: OffloadConfig, requested: str, path_note: str) -> d
             model.partially_load(model.load_device, residency.bytes_to_load)
         streamed = model.loaded_size() < model.model_size()
         note = "; ".join(filter(None, [path_note, *((_streaming_note(), _pinned_note(model)) if streamed else ())]))
-        glue.record_in_run(NODE, requested, f"{config.describe()}: {residency_summary(model.loaded_size(), model.model_size())}", note)
+        patching.record_in_run(NODE, requested, f"{config.describe()}: {residency_summary(model.loaded_size(), model.model_size())}", note)
         return prepared
 
     def unload_after_sampling(executor, guider, *args, **kwargs):
@@ -80,7 +82,7 @@ def offload_wrappers(config: OffloadConfig, requested: str, path_note: str) -> d
             return executor(guider, *args, **kwargs)
         finally:
             freed = _unload(guider.model_patcher)
-            glue.record_in_run(NODE, requested, f"unload_after: {freed / MIB:,.1f} MiB of weights freed from the device after sampling", path_note)
+            patching.record_in_run(NODE, requested, f"unload_after: {freed / MIB:,.1f} MiB of weights freed from the device after sampling", path_note)
 
     if config.mode == "unload_after":
         return {"SAMPLER_SAMPLE": unload_after_sampling}
@@ -93,53 +95,48 @@ def offload_clone(model, config: OffloadConfig, requested: str, on_unavailable: 
     the streaming to ComfyUI."""
     if config.mode == "unload_after":
         return _held(model.clone(), config, requested, "")
-    m, path_note, problem = glue.non_dynamic_clone(model)
-    reason = glue.fall_back_or_raise(on_unavailable, problem, "leave the streaming to ComfyUI")
+    m, path_note, problem = environment.non_dynamic_clone(model)
+    reason = patching.fall_back_or_raise(on_unavailable, problem, "leave the streaming to ComfyUI")
     if reason:
         return _passed_through(model, requested, f"{reason}; ComfyUI's dynamic VRAM streams it", f"does nothing: {reason}")
     return _held(m, config, requested, path_note)
 
 
 def _held(m, config: OffloadConfig, requested: str, path_note: str):
-    glue.set_wrappers(m, NODE, offload_wrappers(config, requested, path_note))
-    glue.record_model(m, NODE, requested, config.describe(), path_note)
+    patching.set_wrappers(m, NODE, offload_wrappers(config, requested, path_note))
+    patching.record_model(m, NODE, requested, config.describe(), path_note)
     return m
 
 
 def _passed_through(model, requested: str, note: str, short: str):
     """A clone of ``model`` without this node's wrappers, recorded as doing nothing."""
-    m = glue.patched_clone(model, NODE)
-    glue.record_model(m, NODE, requested, "no-op", note, short)
+    m = patching.patched_clone(model, NODE)
+    patching.record_model(m, NODE, requested, "no-op", note, short)
     return m
 
 
-class SDOptOffload:
+class SDOptOffload(PatchNode):
     DESCRIPTION = (
         "Chooses how many of this model's weights stay in VRAM while it samples: none (all resident), budget (at most "
         "budget_mb resident, the rest streamed layer by layer with the next copy overlapping compute), sequential (stream "
         "everything: least VRAM, slowest), or unload_after (free the weights when sampling ends). Works through ComfyUI's "
         "model management; on a CPU it does nothing and says so."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": glue.patched_input("MODEL"),
+    def inputs(cls):
+        return {
             "mode": (list(MODES), {"default": "budget", "tooltip": "none: all weights resident; budget: at most budget_mb resident; sequential: stream every layer; unload_after: free VRAM when sampling ends."}),
             "budget_mb": ("INT", {"default": 1024, "min": 0, "max": 1 << 20, "tooltip": "budget mode: MiB of this model's weights that may stay in VRAM."}),
-            "on_unavailable": (["fallback", "error"], {"default": "fallback", "tooltip": "On a CPU (nothing to offload), or where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model (ComfyUI keeps streaming it): pass the model through with a note (fallback) or stop with an error."}),
-        }}
+            "on_unavailable": on_unavailable_input("On a CPU (nothing to offload), or where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model (ComfyUI keeps streaming it): pass the model through with a note (fallback) or stop with an error."),
+        }
 
     def patch(self, model, mode, budget_mb, on_unavailable):
-        glue.check_inputs(SDOptOffload, mode=mode, budget_mb=budget_mb, on_unavailable=on_unavailable)
         config = OffloadConfig(mode, budget_mb * MIB)
         requested = f"mode={mode}" + (f", budget_mb={budget_mb}" if mode == "budget" else "")
         problem = unavailable(config, model.load_device)
         if problem is None:
             return (offload_clone(model, config, requested, on_unavailable),)
         # mode none asks for nothing, so it cannot fail
-        reason = glue.fall_back_or_raise(on_unavailable if mode != "none" else "fallback", problem, "pass the model through")
+        reason = patching.fall_back_or_raise(on_unavailable if mode != "none" else "fallback", problem, "pass the model through")
         return (_passed_through(model, requested, reason, f"does nothing: {reason}" if mode != "none" else ""),)

@@ -1,7 +1,7 @@
 """SDOptPrecision (MODEL → MODEL): weight and compute dtype, TF32 and channels-last, on a copy.
 
 A compute-dtype change is ComfyUI's own ``set_model_compute_dtype`` on a clone. A weight-dtype or
-layout change gets a private copy of the diffusion model's weights (``glue.private_copy``), converted
+layout change gets a private copy of the diffusion model's weights (``private_copy.private_copy``), converted
 from the weights before any sdopt copy, so a second Precision node rounds as if it were alone; fp8
 storage is upcast per layer by ComfyUI's cast path, or, with compute_dtype fp8_matmul, each Linear of
 the copy multiplies in fp8 (``optim.precision.fp8_linear``) where its weight sits ready on the
@@ -17,8 +17,10 @@ import torch
 from ..optim.precision import (AUTO, COMPUTE_DTYPES, FP8_MATMUL, WEIGHT_DTYPES, PrecisionConfig, converted_copy, dtype_name, fp8_linear,
                                fp8_linear_fits, fp8_matmul_kernel, pick_dtype, plan_precision, tf32_scope, weight_bytes)
 from ..measure.profiler import format_mib
-from . import glue
-from .glue import DEFAULT
+from . import environment, patching, private_copy
+from .base import PatchNode
+from .inputs import DEFAULT
+
 
 NODE = "SDOptPrecision"
 
@@ -46,21 +48,17 @@ def _tf32_sampling(executor, *args, **kwargs):
         return executor(*args, **kwargs)
 
 
-class SDOptPrecision:
+class SDOptPrecision(PatchNode):
     DESCRIPTION = (
         "Weight storage dtype, compute dtype, TF32 and channels-last for the diffusion model, on a copy: the input "
         "model is never changed. auto picks what this device runs fast and accurately: fp16 on CUDA (bf16 where "
         "the model prefers it); on a CPU "
         "bf16 only where it measured faster than fp32. The report says what was picked and why."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": glue.patched_input("MODEL"),
+    def inputs(cls):
+        return {
             "weight_dtype": ([AUTO, DEFAULT, *WEIGHT_DTYPES], {"default": AUTO, "tooltip": (
                 "How the UNet weights are stored. auto: fp16 on CUDA (bf16 for a model that prefers it, such as Flux), on a CPU bf16 where it measured faster than fp32, "
                 "else fp32; weights loaded narrower (fp8) stay as loaded and compute in that pick. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),
@@ -73,21 +71,20 @@ class SDOptPrecision:
             "channels_last": ("BOOLEAN", {"default": False, "tooltip": (
                 "Store the conv weights channels-last (NHWC) in a private copy, so convolutions run channels-last: "
                 "faster on tensor-core GPUs, above all under sdopt Compile. Costs a copy of the UNet in RAM.")}),
-        }}
+        }
 
     def patch(self, model, weight_dtype, compute_dtype, tf32, channels_last):
-        glue.check_inputs(SDOptPrecision, weight_dtype=weight_dtype, compute_dtype=compute_dtype, tf32=tf32, channels_last=channels_last)
         device = torch.device(model.load_device)
         notes = []
         stored = model.model_dtype()
         compute = None if compute_dtype == DEFAULT else compute_dtype
-        if weight_dtype == AUTO and glue.is_quantized(model):
+        if weight_dtype == AUTO and private_copy.is_quantized(model):
             weight = None
             notes.append("auto: weights kept as loaded: they are quantized, which ComfyUI runs natively, "
                          "and a converted copy would drop their scales")
         elif weight_dtype == AUTO:
-            pick = pick_dtype(device, glue.inference_dtypes(model))
-            picked, loaded = dtype_name(pick.dtype), glue.loaded_weight_dtype(model)
+            pick = pick_dtype(device, environment.inference_dtypes(model))
+            picked, loaded = dtype_name(pick.dtype), private_copy.loaded_weight_dtype(model)
             weight = picked
             if loaded.itemsize < pick.dtype.itemsize:
                 # Weights loaded narrower than the pick (fp8) were ComfyUI's or the user's choice for memory.
@@ -103,11 +100,11 @@ class SDOptPrecision:
         computing = model.get_model_object("manual_cast_dtype") or stored
         plan = plan_precision(config, stored, computing, device)
         if plan.weight_dtype != stored or channels_last or plan.fp8_matmul:
-            glue.refuse_quantized(model, *(("weight_dtype", "set it to auto or default (as loaded)") if plan.weight_dtype != stored else
+            private_copy.refuse_quantized(model, *(("weight_dtype", "set it to auto or default (as loaded)") if plan.weight_dtype != stored else
                                            ("compute_dtype", "pick another compute dtype") if plan.fp8_matmul else
                                            ("channels_last", "turn it off")))
             unet = model.model.diffusion_model
-            m = glue.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last, glue.DYNAMIC_VRAM_LAYER_STATE), notes)
+            m = private_copy.private_copy(model, lambda module: converted_copy(module, plan.weight_dtype, channels_last, private_copy.DYNAMIC_VRAM_LAYER_STATE), notes)
             m.model.diffusion_model.dtype = plan.weight_dtype
             m.model.manual_cast_dtype = plan.compute_dtype if plan.upcasts else None
             m.set_model_compute_dtype(m.model.manual_cast_dtype)
@@ -125,7 +122,7 @@ class SDOptPrecision:
             m = model.clone()
             if plan.compute_dtype != computing:
                 m.set_model_compute_dtype(plan.compute_dtype)
-        glue.set_wrappers(m, NODE, {"OUTER_SAMPLE": _tf32_sampling} if tf32 else {})
+        patching.set_wrappers(m, NODE, {"OUTER_SAMPLE": _tf32_sampling} if tf32 else {})
         shorts = []
         if tf32 and device.type != "cuda":
             shorts.append(f"tf32 has no effect on {device.type}")
@@ -138,5 +135,5 @@ class SDOptPrecision:
         requested = f"weight={weight_dtype}, compute={compute_dtype}, tf32={'on' if tf32 else 'off'}, channels_last={'on' if channels_last else 'off'}"
         compute = f"{FP8_MATMUL}+{dtype_name(plan.compute_dtype)}" if plan.fp8_matmul else dtype_name(plan.compute_dtype)
         active = f"weight={dtype_name(plan.weight_dtype)}, compute={compute}" + (", tf32" if tf32 else "") + (", channels_last" if channels_last else "")
-        glue.record_model(m, NODE, requested, active, "; ".join(notes), short)
+        patching.record_model(m, NODE, requested, active, "; ".join(notes), short)
         return (m,)

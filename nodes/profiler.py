@@ -8,7 +8,8 @@ so new ones (``latent_shapes`` in 0.33) pass through. Each run names the model's
 """
 from ..errors import UserError
 from ..measure.profiler import SamplingRun, active_run
-from . import glue, prompt_context
+from . import environment, patching, prompt_context
+from .base import PatchNode
 
 NODE = "SDOptProfiler"
 
@@ -19,8 +20,8 @@ def _outer_sample(label: str):
         prompt_id = prompt_context.current_prompt_id()
         prompt_context.install_node_timer(prompt_id, prompt_context.current_node_id())
         patcher = guider.model_patcher
-        run = SamplingRun(label, patcher.load_device, glue.model_records(guider.model_options), glue.dynamic_vram_probe(patcher.load_device),
-                          glue.model_family(patcher).label)
+        run = SamplingRun(label, patcher.load_device, patching.model_records(guider.model_options), environment.dynamic_vram_probe(patcher.load_device),
+                          environment.model_family(patcher).label)
         with run.memory_scope():
             output = executor(*args, **kwargs)
         if run.finished:  # a guider that never calls the sampler wrapper leaves nothing to report
@@ -52,27 +53,21 @@ def _sampler_sample(executor, *args, **kwargs):
     return output
 
 
-class SDOptProfiler:
+class SDOptProfiler(PatchNode):
     DESCRIPTION = (
         "Profiles every sampling run of this model: sampler total time, per-step times, steady it/s (without the first "
         "step and the steps in which sdopt compiled or captured a CUDA graph), and peak memory (VRAM on CUDA, process RAM on CPU). Put it last on the MODEL path and add an "
         "'sdopt Profile Report' node after the sampler to see the results."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("MODEL",)
     FUNCTION = "apply"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": "The model to profile; put this node last on the MODEL path, right before the sampler."}),
-            "label": ("STRING", {"default": "baseline", "tooltip": "Names this model's runs in the report."}),
-        }}
+    def inputs(cls):
+        return {"label": ("STRING", {"default": "baseline", "tooltip": "Names this model's runs in the report."})}
 
     def apply(self, model, label):
-        glue.check_inputs(SDOptProfiler, label=label)
         label = label.strip()
         if not label:
             raise UserError("label: it is empty; give the runs a name, e.g. 'baseline'")
         prompt_context.install_node_timer(prompt_context.current_prompt_id(), prompt_context.current_node_id())
-        return (glue.patched_clone(model, NODE, {"OUTER_SAMPLE": _outer_sample(label), "SAMPLER_SAMPLE": _sampler_sample}),)
+        return (patching.patched_clone(model, NODE, {"OUTER_SAMPLE": _outer_sample(label), "SAMPLER_SAMPLE": _sampler_sample}),)

@@ -61,7 +61,8 @@ def prompt_log(prompt_id: str | None = None) -> PromptLog:
     return _prompts[prompt_id]
 
 
-def _filing_records(fn: Callable) -> Callable:
+def filing_records(fn: Callable) -> Callable:
+    """``fn`` (a VAE copy's method) filing the copy's records into the executing prompt first."""
     def call(self, *args, **kwargs):
         for entry in self.sdopt_records:
             record(prompt_log().records, **entry)
@@ -137,7 +138,7 @@ def install_node_timer(prompt_id: str, executing_node: str | None = None) -> boo
     if _timing_handler(prompt_id) is None:
         import comfy.model_management
 
-        from .glue import dynamic_vram_probe  # glue files records through this module
+        from .environment import dynamic_vram_probe
 
         device = comfy.model_management.get_torch_device()
         handler = _timing_handler_class(progress)(device, dynamic_vram_probe(device))

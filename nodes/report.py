@@ -12,7 +12,9 @@ from collections import OrderedDict
 
 from ..errors import UserError
 from ..measure.report import Report, device_name
-from . import glue, prompt_context
+from . import environment, prompt_context
+from .base import SavingNode
+from .inputs import output_file_base
 
 NODE = "SDOptProfileReport"
 EVENT = "sdopt.report"
@@ -27,8 +29,8 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
 
     log = prompt_context.prompt_log(prompt_id)
     device = comfy.model_management.get_torch_device()
-    mode, mode_note = glue.memory_mode(device)
-    report = Report(device=device_name(device), comfyui=glue.comfyui_version(), memory_mode=mode,
+    mode, mode_note = environment.memory_mode(device)
+    report = Report(device=device_name(device), comfyui=environment.comfyui_version(), memory_mode=mode,
                     runs=list(log.runs), nodes=prompt_context.node_timings(prompt_id), optimizations=list(log.records),
                     notes=[mode_note] if mode_note else [])
     profiled = any(node.get("class_type") == "SDOptProfiler" for node in (prompt or {}).values())
@@ -49,37 +51,27 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
     return report
 
 
-class SDOptProfileReport:
+class SDOptProfileReport(SavingNode):
     DESCRIPTION = (
         "Shows the profile of this prompt's sampling runs as a table and a chart, and saves the JSON report in the "
         "output folder. Connect the decoded images (or the sampled latent) so it runs after sampling. It re-runs on "
         "every queue."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ()
     FUNCTION = "report"
-    OUTPUT_NODE = True
+    PREFIX_DEFAULT, PREFIX_TOOLTIP = "sdopt/profile", "Where the JSON report and the chart are saved, under the output folder."
+    HIDDEN = {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"}
 
     @classmethod
-    def INPUT_TYPES(cls):
+    def optional_inputs(cls):
         return {
-            "required": {"filename_prefix": ("STRING", {"default": "sdopt/profile", "tooltip": "Where the JSON report and the chart are saved, under the output folder."})},
-            "optional": {
-                "images": ("IMAGE", {"tooltip": "Connect after VAEDecode so the report covers the whole run."}),
-                "latent": ("LATENT", {"tooltip": "Or connect the sampler's LATENT."}),
-            },
-            "hidden": {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"},
+            "images": ("IMAGE", {"tooltip": "Connect after VAEDecode so the report covers the whole run."}),
+            "latent": ("LATENT", {"tooltip": "Or connect the sampler's LATENT."}),
         }
 
-    @classmethod
-    def IS_CHANGED(cls, **kwargs):
-        return float("nan")
-
     def report(self, filename_prefix, images=None, latent=None, prompt=None, unique_id=None):
-        glue.check_inputs(SDOptProfileReport, filename_prefix=filename_prefix)
         if images is None and latent is None:
             raise UserError("images: connect 'images' (from VAEDecode) or 'latent' (from the sampler) so the report runs after sampling")
-        folder, name, counter, subfolder = glue.output_file_base(filename_prefix)
+        folder, name, counter, subfolder = output_file_base(filename_prefix)
         report = build_report(prompt_context.current_prompt_id(), str(unique_id), prompt)
         base = f"{name}_{counter:05}_"
         chart = report.save_chart(os.path.join(folder, base + ".png"))

@@ -13,11 +13,15 @@ CUDA graphs cannot hold a per-call decision between blocks and run eager, and th
 The record gives the calls computed against reused; the checkpoints sdopt generates have random
 weights, so an error measured on them says nothing about a trained model's images.
 """
-from ..optim.step_cache import FIRST_BLOCK, MODES, FirstBlockCache, StepCacheConfig, unavailable
-from . import fast_path, glue
+import functools
+
+from ..optim.step_cache import FIRST_BLOCK, MODES, CacheSchedule, FirstBlockCache, StepCacheConfig, full_forward, shallow_forward, unavailable
+from . import call_rows, environment, fast_path, patching
+from .base import PatchNode
+from .inputs import on_unavailable_input
+from .unet_blocks import comfy_unet_blocks
 
 NODE = "SDOptStepCache"
-ON_UNAVAILABLE = ("fallback", "error")
 QUALITY_NOTE = "reuses deep features between full calls: its image differs from the uncached one; measure it (bench speed's cache rungs)"
 FIRST_BLOCK_NOTE = ("skips the blocks after the first where the first block's change moved less than the threshold: its image "
                     "differs from the uncached one; measure it (bench speed's cache rungs); sdopt Compile runs beside it in "
@@ -25,7 +29,59 @@ FIRST_BLOCK_NOTE = ("skips the blocks after the first where the first block's ch
 _APPLY_MODEL_INPUTS = ("x", "t", "c_concat", "c_crossattn", "control", "transformer_options")
 
 
-class SDOptStepCache:
+FULL_STEP, SHALLOW_STEP = "full", "shallow"
+
+
+def _cached_full_forward(options: dict, branch: int, unet, *tensors):
+    """(output, deep features) of the whole UNet, for the step cache to keep."""
+    return full_forward(comfy_unet_blocks(unet, dict(options)), branch, *tensors)
+
+
+def _cached_shallow_forward(options: dict, branch: int, unet, *tensors_and_deep):
+    """The UNet's output from its shallow branch and kept deep features (the last input)."""
+    *tensors, deep = tensors_and_deep
+    return shallow_forward(comfy_unet_blocks(unet, dict(options)), branch, *tensors, deep=deep)
+
+
+class StepCacheMember(fast_path.ChainMember):
+    """deepcache on the fast path: per call it picks the whole UNet (keeping its deep features) or its
+    shallow branch on the kept ones, each a pure function of tensors, so compile and a CUDA graph
+    outside it compile and capture each once."""
+
+    node, place, selects_forward = NODE, 10, True
+
+    def new_state(self, config):
+        return CacheSchedule(config)
+
+    def begin_run(self, state):
+        state.reset()
+
+    def end_run(self, state):
+        state.release()
+
+    def forward_of(self, kind, options, config):
+        return functools.partial(_cached_full_forward if kind == FULL_STEP else _cached_shallow_forward, options, config.branch)
+
+    def select(self, state, config, run, transformer_options, tensors):
+        key = call_rows.call_key(transformer_options)
+        shapes = tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
+        deep = state.decide(key, shapes, fast_path.schedule_position(transformer_options) if state.config.bounded else None)
+        if deep is not None:
+            return run(SHALLOW_STEP, (*tensors, deep))
+        output, deep = run(FULL_STEP, tensors)
+        state.keep(key, shapes, deep)
+        return output
+
+    def record(self, path, config, state, parts, eager):
+        note = "; ".join(filter(None, [path.notes.get(NODE, str)(), eager.note]))
+        short = "; ".join(filter(None, [state.stats.shortfall(), eager.short]))
+        return f"{config.settings()}: {state.stats.summary()}", note, short
+
+
+CHAIN_MEMBER = StepCacheMember()
+
+
+class SDOptStepCache(PatchNode):
     DESCRIPTION = (
         "Step caching. deepcache (SD1.5, SDXL UNets): the whole UNet runs every `interval` model calls, the calls "
         "between run only its outermost blocks on the deep features the last full call kept; defaults are DeepCache's "
@@ -34,47 +90,45 @@ class SDOptStepCache:
         "last full call the later blocks are skipped; composes with sdopt Compile's compile_regional. The image "
         "changes: compare it with the uncached one. ControlNet runs uncached."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "patch"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "model": glue.patched_input("MODEL"),
+    def inputs(cls):
+        return {
             "mode": (list(MODES), {"default": MODES[0], "tooltip": "deepcache: UNets (SD1.5, SDXL). first_block: diffusion transformers (SD3.5, Flux)."}),
             "interval": ("INT", {"default": 3, "min": 1, "max": 10, "tooltip": "deepcache: the whole UNet runs every this many model calls; 1 caches nothing."}),
             "branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip": "deepcache: how many skip levels still run on a cached call, minus one: 0 runs only the outermost blocks (fastest)."}),
             "start": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls before this fraction of the schedule run the whole model."}),
             "end": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls from this fraction of the schedule on run the whole model."}),
-            "on_unavailable": (list(ON_UNAVAILABLE), {"default": "fallback", "tooltip": "On a model the mode does not fit, or (deepcache) where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model: pass it through with a note in the report, or stop with an error."}),
-        }, "optional": {
+            "on_unavailable": on_unavailable_input("On a model the mode does not fit, or (deepcache) where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model: pass it through with a note in the report, or stop with an error."),
+        }
+
+    @classmethod
+    def optional_inputs(cls):
+        return {
             "threshold": ("FLOAT", {"default": 0.08, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
                 "first_block: the largest relative change between this call's first-block change and the last full call's "
                 "that still skips the later blocks; higher is faster and further from the uncached image, 0 caches nothing.")}),
-        }}
+        }
 
     def patch(self, model, mode, interval, branch, start, end, on_unavailable, threshold=0.08):
-        glue.check_inputs(SDOptStepCache, mode=mode, interval=interval, branch=branch, start=start, end=end,
-                          on_unavailable=on_unavailable, threshold=threshold)
         config = StepCacheConfig(mode, interval, branch, start, end, threshold)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         unet = model.model.diffusion_model
         groups = block_groups(model)
-        problem = unavailable(config, model.load_device, blocks=fast_path.comfy_unet_blocks(unet), block_groups=groups)
+        problem = unavailable(config, model.load_device, blocks=comfy_unet_blocks(unet), block_groups=groups)
         if mode == FIRST_BLOCK:
             return (_first_block_clone(model, config, requested, problem, on_unavailable, groups),)
-        m, path_note = fast_path.fast_path_clone(model, NODE, requested, problem, on_unavailable, fast_path.STEP_CACHE, config)
+        m, path_note = fast_path.fast_path_clone(model, CHAIN_MEMBER, requested, problem, on_unavailable, config)
         if path_note is not None:
             fast_path.fast_path_of(m).notes[NODE] = lambda: QUALITY_NOTE
-            glue.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, QUALITY_NOTE])))
+            patching.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, QUALITY_NOTE])))
         return (m,)
 
 
 def block_groups(model) -> tuple[tuple[str, int], ...]:
     """(``dit`` patch name, block count) of each of the model's block groups its family describes."""
     unet = model.model.diffusion_model
-    described = glue.model_family(model).described.block_groups
+    described = environment.model_family(model).described.block_groups
     return tuple((name, len(getattr(unet, attr))) for name, attr in described if hasattr(unet, attr))
 
 
@@ -85,7 +139,7 @@ def _dit_patches(model) -> dict:
 def _without_first_block(model):
     """A clone of ``model`` without an earlier first_block cache (chained twice, the last node wins)."""
     m = model.clone()
-    glue.set_wrappers(m, NODE, {})
+    patching.set_wrappers(m, NODE, {})
     ours = [key for key, patch in _dit_patches(m).items() if fast_path.block_cache_of(patch) is not None]
     if ours:
         replace = m.model_options["transformer_options"]["patches_replace"]
@@ -94,10 +148,10 @@ def _without_first_block(model):
 
 
 def _first_block_clone(model, config: StepCacheConfig, requested: str, problem, on_unavailable: str, groups):
-    fallback = glue.fall_back_or_raise(on_unavailable, problem, "run uncached")
+    fallback = patching.fall_back_or_raise(on_unavailable, problem, "run uncached")
     m = _without_first_block(model)
     if fallback:
-        glue.record_model(m, NODE, requested, "uncached", f"{fallback}; running uncached", f"runs uncached: {fallback}")
+        patching.record_model(m, NODE, requested, "uncached", f"{fallback}; running uncached", f"runs uncached: {fallback}")
         return m
     cache = FirstBlockCache(config, groups, compared="img")
     earlier = _dit_patches(m)
@@ -111,7 +165,7 @@ def _first_block_clone(model, config: StepCacheConfig, requested: str, problem, 
         context = inputs.get("c_crossattn")
         shapes = (tuple(x.shape), x.dtype, None if context is None else tuple(context.shape))
         bypass = "ControlNet (control) inputs" if inputs.get("control") is not None else None
-        cache.begin(glue.call_key(options), shapes, fast_path.schedule_position(options), bypass)
+        cache.begin(call_rows.call_key(options), shapes, fast_path.schedule_position(options), bypass)
         try:
             return executor(*args, **kwargs)
         finally:
@@ -122,14 +176,14 @@ def _first_block_clone(model, config: StepCacheConfig, requested: str, problem, 
         try:
             return executor(*args, **kwargs)
         finally:
-            glue.record_in_run(NODE, requested, f"{config.settings()}: {cache.stats.summary()}", FIRST_BLOCK_NOTE,
+            patching.record_in_run(NODE, requested, f"{config.settings()}: {cache.stats.summary()}", FIRST_BLOCK_NOTE,
                                cache.stats.shortfall())
             cache.release()
 
     # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open there
-    glue.set_wrappers(m, NODE, {"APPLY_MODEL": begin_call, "SAMPLER_SAMPLE": record_after_sampling})
+    patching.set_wrappers(m, NODE, {"APPLY_MODEL": begin_call, "SAMPLER_SAMPLE": record_after_sampling})
     blocks = ", ".join(f"{count} {name}s" for name, count in groups)
-    glue.record_model(m, NODE, requested, config.settings(), f"{blocks}; {FIRST_BLOCK_NOTE}")
+    patching.record_model(m, NODE, requested, config.settings(), f"{blocks}; {FIRST_BLOCK_NOTE}")
     return m
 
 

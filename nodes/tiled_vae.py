@@ -13,20 +13,16 @@ import functools
 from ..errors import UserError
 from ..measure.record import record
 from ..optim.tiled_vae import DECODE, ENCODE, TiledVAEConfig, UnsupportedVAE, check_overlap, check_tile, tiled_decode, tiled_encode, unsupported_reason
-from . import glue, prompt_context
+from . import environment, patching, prompt_context
+from .base import PatchNode
 
 NODE = "SDOptTiledVAE"
 
 
-def _check_budget(budget_mb) -> str | None:
-    if budget_mb < 0:
-        return f"budget_mb: {budget_mb} must be 0 (the device's free memory) or a positive number of MiB"
-    return None
-
-
-def _problem(tile, overlap, budget_mb) -> str | None:
-    """The first input's problem, each message naming its own input."""
-    return check_tile(tile) or check_overlap(overlap, tile) or _check_budget(budget_mb)
+def _problem(tile, overlap) -> str | None:
+    """The first input's problem, each message naming its own input (the node base has held each value to
+    its INPUT_TYPES already: a budget_mb below 0 stops there)."""
+    return check_tile(tile) or check_overlap(overlap, tile)
 
 
 class _TilingAutoencoder:
@@ -63,20 +59,18 @@ class _TilingAutoencoder:
         return result.output
 
 
-class SDOptTiledVAE:
+class SDOptTiledVAE(PatchNode):
     DESCRIPTION = (
         "Makes VAE Decode and VAE Encode work tile by tile, so big images fit in little memory. GroupNorm uses the "
         "whole image's statistics, so the result matches the untiled decode (no seams, unlike ComfyUI's tiled "
         "decode). Returns a copy; the input VAE is unchanged. Composes with sdopt VAE Precision and VAE Attention."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("VAE",)
+    PATCHES = "VAE"
     FUNCTION = "apply"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "vae": glue.patched_input("VAE"),
+    def inputs(cls):
+        return {
             "tile": ("INT", {"default": 0, "min": 0, "max": 16384, "step": 8, "tooltip": (
                 "Tile side in image pixels (decode output, encode input): a multiple of 8, at least 64. "
                 "0 = auto: the largest tile that fits budget_mb.")}),
@@ -89,7 +83,7 @@ class SDOptTiledVAE:
                 "Memory the decode/encode may use, in MiB. 0 = the device's free memory when the call starts: VRAM on "
                 "a GPU (within PyTorch's memory fraction, less ComfyUI's --reserve-vram; on ComfyUI 0.38 plus what dynamic VRAM's "
                 "streamed weights would give back, as ComfyUI plans), RAM on a CPU.")}),
-        }}
+        }
 
     # ComfyUI files a VALIDATE_INPUTS failure under every input the method takes, so it takes only
     # tile: overlap (which needs tile too) and budget_mb are checked when the node runs, and a
@@ -101,14 +95,14 @@ class SDOptTiledVAE:
         return check_tile(tile) or True
 
     def apply(self, vae, tile, overlap, only_when_needed, budget_mb):
-        problem = _problem(tile, overlap, budget_mb)
+        problem = _problem(tile, overlap)
         if problem:
             raise UserError(problem)
         if getattr(vae, "first_stage_model", None) is None:
             raise UserError("vae: this VAE has no weights (the checkpoint holds no VAE); load one with a VAE loader")
         config = TiledVAEConfig(tile=tile or None, overlap=overlap, only_when_needed=only_when_needed,
                                 budget_bytes=budget_mb * 2**20 if budget_mb else None,
-                                free_bytes=functools.partial(glue.free_for_work, patcher=getattr(vae, "patcher", None)))
+                                free_bytes=functools.partial(environment.free_for_work, patcher=getattr(vae, "patcher", None)))
         requested = (f"tile={tile or 'auto'}, overlap={overlap}, only_when_needed={'on' if only_when_needed else 'off'}, "
                      f"budget={f'{budget_mb} MiB' if budget_mb else 'free memory'}")
         tallies = {}
@@ -130,8 +124,8 @@ class SDOptTiledVAE:
 
             return call
 
-        out = glue.wrap_vae_methods(vae, wrap)
+        out = patching.wrap_vae_methods(vae, wrap)
         reasons = {kind: unsupported_reason(vae.first_stage_model, kind) for kind in (DECODE, ENCODE)}
         active = "; ".join(f"{kind}: untiled, not supported ({why})" for kind, why in reasons.items() if why)
-        glue.record_vae(out, NODE, requested, active or "tiled per call (the report shows each call's tiles)")
+        patching.record_vae(out, NODE, requested, active or "tiled per call (the report shows each call's tiles)")
         return (out,)

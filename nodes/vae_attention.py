@@ -9,8 +9,9 @@ import contextlib
 
 from ..measure.record import record
 from ..optim.attention import build_attention, channel_attention, summarize_decisions
-from . import glue, prompt_context
+from . import patching, prompt_context
 from .attention import attention_inputs, configure, shortfall
+from .base import PatchNode
 
 NODE = "SDOptVAEAttention"
 _MARK = "_sdopt_vae_attention"
@@ -33,25 +34,22 @@ def patched_blocks(blocks: list, fn):
             block.optimized_attention = original
 
 
-class SDOptVAEAttention:
+class SDOptVAEAttention(PatchNode):
     DESCRIPTION = (
         "Runs the VAE's attention blocks through an sdopt backend during its decode and encode (tiled too), e.g. "
         "sub_quadratic or sliced to bound the memory of large decodes. Returns a patched copy; the input VAE keeps "
         "its attention. The backends and fallback rule are those of sdopt Attention."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("VAE",)
-    FUNCTION = "patch"
+    PATCHES = "VAE"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return attention_inputs("vae", "VAE")
+    def inputs(cls):
+        return attention_inputs()
 
     def patch(self, vae, backend, on_unavailable, slice_size, memory_budget_mb):
-        glue.check_inputs(SDOptVAEAttention, backend=backend, on_unavailable=on_unavailable, slice_size=slice_size, memory_budget_mb=memory_budget_mb)
         if not attention_blocks(vae):
-            out = glue.wrap_vae_methods(vae, lambda _name, inner: inner)
-            glue.record_vae(out, NODE, backend, "none", "this VAE has no attention blocks; nothing to patch")
+            out = patching.wrap_vae_methods(vae, lambda _name, inner: inner)
+            patching.record_vae(out, NODE, backend, "none", "this VAE has no attention blocks; nothing to patch")
             return (out,)
         config, active, note = configure(backend, on_unavailable, slice_size, memory_budget_mb, getattr(vae, "device", None))
         attention = build_attention(config)
@@ -69,6 +67,6 @@ class SDOptVAEAttention:
 
             return call
 
-        out = glue.wrap_vae_methods(vae, wrap)
-        glue.record_vae(out, NODE, backend, active, note, shortfall(backend, active))
+        out = patching.wrap_vae_methods(vae, wrap)
+        patching.record_vae(out, NODE, backend, active, note, shortfall(backend, active))
         return (out,)

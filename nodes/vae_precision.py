@@ -12,14 +12,16 @@ from ..errors import UserError
 from ..measure.profiler import format_mib
 from ..measure.record import record
 from ..optim.precision import AUTO, COMPUTE_DTYPES, check_compute_dtype, converted_copy, dtype_name, parse_dtype, pick_dtype, run_with_nan_guard, safe_dtype, weight_bytes
-from . import glue, prompt_context
-from .glue import DEFAULT
+from . import patching, private_copy, prompt_context
+from .base import PatchNode
+from .inputs import DEFAULT
+
 
 NODE = "SDOptVAEPrecision"
 
 
 def _in_dtype(vae, dtype: torch.dtype, notes: list[str] | None = None):
-    copied = glue.private_vae_copy(vae, lambda module: converted_copy(module, dtype, leave_out=glue.DYNAMIC_VRAM_LAYER_STATE), notes)
+    copied = private_copy.private_vae_copy(vae, lambda module: converted_copy(module, dtype, leave_out=private_copy.DYNAMIC_VRAM_LAYER_STATE), notes)
     copied.vae_dtype = dtype
     return copied
 
@@ -47,31 +49,28 @@ def _guarded(vae, source, requested: str, active: str):
             return result.output
         return guarded
 
-    return glue.wrap_vae_methods(vae, wrap)
+    return patching.wrap_vae_methods(vae, wrap)
 
 
-class SDOptVAEPrecision:
+class SDOptVAEPrecision(PatchNode):
     DESCRIPTION = (
         "VAE dtype and NaN guard, on a copy: the input VAE is never changed. auto: fp16 on CUDA (with the guard), on a "
         "CPU bf16 where it measured faster than fp32, else fp32. nan_guard redoes any decode/encode whose output has "
         "NaN/Inf in bf16 where the device runs it, else fp32, and the report counts the redone calls."
     )
-    CATEGORY = "sdopt"
-    RETURN_TYPES = ("VAE",)
+    PATCHES = "VAE"
     FUNCTION = "apply"
 
     @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {
-            "vae": glue.patched_input("VAE"),
+    def inputs(cls):
+        return {
             "dtype": ([AUTO, DEFAULT, *COMPUTE_DTYPES], {"default": AUTO, "tooltip": (
                 "The VAE's dtype. auto: fp16 on CUDA, on a CPU bf16 where it measured faster than fp32, else fp32. "
                 "default: as loaded.")}),
             "nan_guard": ("BOOLEAN", {"default": True, "tooltip": "Redo a decode/encode whose output has NaN/Inf in a safer dtype (bf16, else fp32)."}),
-        }}
+        }
 
     def apply(self, vae, dtype, nan_guard):
-        glue.check_inputs(SDOptVAEPrecision, dtype=dtype, nan_guard=nan_guard)
         if getattr(vae, "first_stage_model", None) is None:
             raise UserError("vae: this VAE has no weights (the checkpoint holds no VAE); load one with a VAE loader")
         notes = []
@@ -82,7 +81,7 @@ class SDOptVAEPrecision:
         else:
             target = vae.vae_dtype if dtype == DEFAULT else parse_dtype(dtype, "dtype", COMPUTE_DTYPES)
         check_compute_dtype(target, vae.device, "dtype")
-        out = glue.copy_vae(vae) if target == vae.vae_dtype else _in_dtype(vae, target, notes)
+        out = patching.copy_vae(vae) if target == vae.vae_dtype else _in_dtype(vae, target, notes)
         if out.first_stage_model is not vae.first_stage_model:
             before, after = weight_bytes(vae.first_stage_model), weight_bytes(out.first_stage_model)
             notes.append(f"VAE weights {format_mib(before)} → {format_mib(after)} MiB in a copy; the input VAE is unchanged")
@@ -93,6 +92,6 @@ class SDOptVAEPrecision:
             notes += [] if safer else ["the NaN guard can only report NaN/Inf: nothing is safer than fp32"]
             out = _guarded(out, vae, requested, dtype_name(target))
         else:  # a copy whose decode/encode file its record into the prompt, as the guarded one does
-            out = glue.wrap_vae_methods(out, lambda _name, inner: inner)
-        glue.record_vae(out, NODE, requested, active, "; ".join(notes))
+            out = patching.wrap_vae_methods(out, lambda _name, inner: inner)
+        patching.record_vae(out, NODE, requested, active, "; ".join(notes))
         return (out,)

@@ -16,11 +16,18 @@ import torch
 from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, MEMORY_RAM, PeakMemory, format_mib
 from ..measure.report import markdown_table
-from ..optim.attention import AttentionConfig, available, backend_function, backend_names, get_backend
-from ..optim.attention_auto import check_against_naive, time_attention
+from ..optim.attention import (
+    AttentionConfig,
+    available,
+    backend_function,
+    backend_names,
+    check_against_naive,
+    get_backend,
+    time_attention,
+)
 from ..optim.heap_trim import trim_heap
 from ..optim.precision import COMPUTE_DTYPES, DTYPES
-from .doctor import usable_device
+from ..nodes.checks import usable_device
 from .progress import progress_bar
 
 SEED = 0

@@ -41,10 +41,10 @@ import torch
 from ..errors import UserError
 from ..measure.profiler import MEMORY_LABELS, PeakMemory, format_mib
 from ..measure.report import markdown_table
+from ..optim.device import free_memory
 from ..optim.heap_trim import trim_heap
 from ..optim.offload import OffloadConfig
 from ..optim.precision import DTYPES
-from ..optim.tiled_vae import free_memory
 from .bench_speed import empty_latent, encode_prompts, optimization_notes, profiled_sample, timed_decode
 from .bench_unet import checkpoint_path, load_checkpoint
 from .bench_vae import image_psnr

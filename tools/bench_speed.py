@@ -496,7 +496,7 @@ def _sampled_in_this_process(spec: dict) -> list[dict]:
 def warm_inductor(device: torch.device) -> float | None:
     """Seconds of doctor's tiny inductor compile on ``device``; None where it cannot compile (the
     compiling rungs then say why in their records)."""
-    from .doctor import compile_trial
+    from ..nodes.checks import compile_trial
 
     started = time.perf_counter()
     try:

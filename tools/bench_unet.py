@@ -181,18 +181,18 @@ def bench_unet(
 
     base = comfy.sd.load_checkpoint_guess_config(str(path), output_vae=False, output_clip=False)[0]
     node = host.node_classes[NODE]()
-    glue = host.pack("nodes.glue")
+    patching = host.pack("nodes.patching")
     inputs = unet_inputs(base, resolution, batch)
     rows, reference = [], None
     order = [(name, 0) for name in [REFERENCE] + [d for d in weight_dtypes if d != REFERENCE]]
     order += [(REFERENCE, low_memory_mb)] if low_memory_mb else []
     for name, budget in progress_bar(order, desc=f"unet {path.stem} {resolution}px", unit="row", disable=not progress):
         patched = node.patch(base, weight_dtype=name, compute_dtype="default", tf32=False, channels_last=False)[0]
-        (record,) = [r for r in glue.model_records(patched.model_options) if r["node"] == NODE]
+        (record,) = [r for r in patching.model_records(patched.model_options) if r["node"] == NODE]
         active = record["active"]
         if budget:
             patched = host.node_classes[LOW_MEMORY_NODE]().patch(patched, budget, True, True)[0]
-            (low_memory,) = [r for r in glue.model_records(patched.model_options) if r["node"] == LOW_MEMORY_NODE]
+            (low_memory,) = [r for r in patching.model_records(patched.model_options) if r["node"] == LOW_MEMORY_NODE]
             active = f"{active}; {low_memory['active']}"
         out, first, median, reading, working = _measure(patched, inputs, repeats)
         mm.unload_all_models()

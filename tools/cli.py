@@ -254,7 +254,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
     from .progress import progress_bar
 
-    from .doctor import CHECKS, FAILED, default_device, doctor_table, load_comfyui, run_checks, summary
+    from ..nodes.checks import CHECKS, FAILED, default_device, doctor_table, run_checks, summary
+    from .doctor import load_comfyui
 
     started = time.perf_counter()
     comfyui = None if args.no_comfyui else load_comfyui(args.comfyui)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..measure.report import Report
-from ..optim.memory_plan import parse_bytes
+from .plan.memory import parse_bytes
 from .memory_mode import AUTO, MemoryModeStart, requested_mode
 from .workflow import (
     apply_overrides,
@@ -292,7 +292,7 @@ class ComfyHost:
         total = (lambda: torch.cuda.mem_get_info(device)[1]) if cuda else None
         cap = plan_vram_cap(cap_bytes, name, total)
         if cap.in_force:
-            from ..nodes.glue import dynamic_vram_probe
+            from ..nodes.environment import dynamic_vram_probe
 
             torch.cuda.set_per_process_memory_fraction(cap.fraction, device)
             plans = callable(getattr(mm, "get_free_memory", None))
@@ -307,7 +307,7 @@ class ComfyHost:
         return self._nodes.NODE_CLASS_MAPPINGS
 
     def pack(self, name: str):
-        """Module ``name`` (e.g. ``"nodes.glue"``) of the pack as ComfyUI loaded it: ComfyUI imports the
+        """Module ``name`` (e.g. ``"nodes.patching"``) of the pack as ComfyUI loaded it: ComfyUI imports the
         pack under a module name of its own, so that copy holds the state the nodes use."""
         package = self.node_classes[REPORT_NODE].__module__.rsplit(".nodes.", 1)[0]
         return importlib.import_module(f"{package}.{name}")

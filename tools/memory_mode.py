@@ -15,11 +15,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import sys
 from dataclasses import dataclass
 
 from ..errors import UserError
 from ..measure.report import CLASSIC_MEMORY, DYNAMIC_VRAM
+from ..nodes.environment import NO_AIMDO, NO_CUDA, NOT_OFFERED, kept_off_by_device, kept_off_by_settings
 
 AUTO, DYNAMIC, CLASSIC = "auto", "dynamic", "classic"
 MODES = (AUTO, DYNAMIC, CLASSIC)
@@ -27,39 +27,6 @@ ENVIRONMENT = "SDOPT_MEMORY_MODE"  # how the CLI's --memory-mode reaches the pro
 _OPTION = f"--memory-mode (or ${ENVIRONMENT})"
 _AIMDO_FIX = "install comfy-aimdo at the version in ComfyUI's requirements.txt"
 _CLASSIC_FIX = "leave --memory-mode at auto (or classic) to run with classic memory management"
-NOT_OFFERED = "this ComfyUI has no dynamic VRAM"
-NO_CUDA = "no CUDA device, where ComfyUI keeps dynamic VRAM off"
-NO_AIMDO = "comfy-aimdo is not installed"
-
-
-def _kept_off_by_settings(enables) -> str | None:
-    return None if enables() else "off by ComfyUI's settings (--highvram, --gpu-only or --novram)"
-
-
-def _kept_off_by_device(mm) -> str | None:
-    """Why ComfyUI's main.py would not start dynamic VRAM on this GPU by default (``mm``:
-    comfy.model_management); None where it would."""
-    amd_ready = bool(getattr(mm, "is_amd", lambda: False)()) and getattr(mm, "rocm_version", (0, 0)) >= (7, 14)
-    if not (mm.is_nvidia() or amd_ready):
-        return "this GPU is not one that ComfyUI manages with dynamic VRAM"
-    if getattr(mm, "torch_version_numeric", (2, 8)) < (2, 8):
-        return "PyTorch older than 2.8, where ComfyUI keeps dynamic VRAM off"
-    return None
-
-
-def server_would_start(cuda: bool) -> tuple[bool | None, str]:
-    """With ComfyUI's ``cli_args`` and ``model_management`` imported but nothing started (``sdopt
-    doctor``): whether its server would start dynamic VRAM on this machine by default, and why not.
-    None where this ComfyUI has none; True where it would try (comfy-aimdo may still refuse the GPU)."""
-    from ..nodes.glue import aimdo_installed
-
-    enables = getattr(sys.modules.get("comfy.cli_args"), "enables_dynamic_vram", None)
-    if enables is None:
-        return None, NOT_OFFERED
-    why = (NO_CUDA if not cuda else _kept_off_by_settings(enables)
-           or (None if aimdo_installed() else NO_AIMDO)
-           or _kept_off_by_device(sys.modules["comfy.model_management"]))
-    return why is None, why or ""
 
 
 def requested_mode(explicit: str | None = None) -> str:
@@ -122,7 +89,7 @@ class MemoryModeStart:
             return
         if self.requested == DYNAMIC:
             args.enable_dynamic_vram = True
-        elif why := _kept_off_by_settings(enables):
+        elif why := kept_off_by_settings(enables):
             self._classic(why)
             return
         try:
@@ -153,7 +120,7 @@ class MemoryModeStart:
         if self.outcome is not None:
             return self.outcome
         mm = importlib.import_module("comfy.model_management")
-        if self.requested == AUTO and (why := _kept_off_by_device(mm)):
+        if self.requested == AUTO and (why := kept_off_by_device(mm)):
             self._classic(why)
             return self.outcome
         args = importlib.import_module("comfy.cli_args").args

@@ -16,8 +16,9 @@ import torch
 
 from .private_code import sweep_dead_guards
 
-# CompiledForward's own wrapper: split because what it calls is, so never named as the function split
-_WRAPPER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forward.py")
+# The whole-model mode's own wrapper (``modes._whole``): split because what it calls is, so never named as
+# the function split
+_WRAPPER_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modes.py")
 
 
 @dataclass(frozen=True)

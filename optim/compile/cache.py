@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from .config import CompileConfig
-from .forward import CompiledForward, named_state, on_cpu
+from .forward import CompiledForward, on_cpu
+from .modes import named_state
 
 ARTIFACTS = "artifacts.bin"
 META = "meta.json"
@@ -205,7 +206,7 @@ class ArtifactCache:
 
         routing = self.torch_caches()
         stats = compiled.stats
-        probes_cpu = compiled.config.mode != "trace" and compiled.config.backend == "inductor"
+        probes_cpu = compiled.config.kind.uses_inductor(compiled.config)
 
         def call(*inputs):
             if not stats.cpu_probed and probes_cpu and on_cpu(inputs):

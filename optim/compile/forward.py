@@ -1,20 +1,8 @@
-"""The three modes, each a ``CompiledForward`` equal to ``call(module, *tensors)``.
+"""``CompiledForward``: ``call(module, *tensors)`` through the compiled artifact of its config's mode
+(``modes``: whole-model compile, per-block compile, per-signature trace).
 
 The caller passes tensors only, so per-step Python values (step count, sigmas, CFG scale) never
 reach a guard: a new input signature compiles once, and every other change runs the cached code.
-Weights stay inputs in every mode:
-
-- ``compile``: dynamo lifts parameters to graph inputs, so replaced weights are read, not baked in;
-- ``compile_regional``: each block class is compiled once and shared by its instances (their
-  ``forward`` is bound to the compiled one only while the call runs). The blocks are those of the
-  classes ``block_classes`` names (the model family's repeated blocks), a class that occurs once
-  included; with none named or found, every composite class that occurs at least twice. Dynamo keeps
-  weight shapes static, so instances of one class whose weights differ in shape compile apart; what
-  a block is handed besides tensors goes through ``block_options`` first, where a host leaves out what
-  differs per block (ComfyUI's block position), so that alike blocks share one compiled entry;
-- ``trace``: one trace per input signature, taking the weights as inputs, so replaced weights need
-  no new trace; with ``freeze`` (weights folded in as constants) the trace is redone, which the
-  stats say.
 
 The first call of each input signature runs eagerly, so lazy set-up in the module stays out of the
 compiled code. Each ``CompiledForward`` compiles a private copy of its function's code: dynamo keeps
@@ -28,14 +16,12 @@ a function traces as one graph.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import itertools
 import time
 import types
-import warnings
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,6 +30,7 @@ import torch
 from ..cuda_graph import input_signature
 from .accounting import CompileStats, accounted, note_reuse, regions_run
 from .config import CompileConfig
+from .modes import recompile_limit
 from .private_code import release_compiled_code, with_private_code
 
 def isolated_recompiles() -> dict:
@@ -62,74 +49,6 @@ def graph_break_reasons(fn: Callable, *args, **kwargs) -> list[str]:
     with accounted(stats):
         probe(*args, **kwargs)
     return [*stats.graph_breaks, *dict.fromkeys(g.reason for g in stats.gave_up.values())]
-
-
-def recompile_limit() -> int:
-    from torch._dynamo import config
-
-    return getattr(config, "recompile_limit", None) or config.cache_size_limit
-
-
-# A block class meets every shape of the UNet in one call (and every block position, where its options
-# must carry it), so it needs many entries where a whole-model compile needs one per input signature.
-REGIONAL_RECOMPILE_LIMIT = 64
-
-
-def _recompile_limit_at_least(limit: int):
-    from torch._dynamo import config
-
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch(**{name: max(limit, recompile_limit())})
-
-
-def repeated_blocks(module: torch.nn.Module, classes: tuple[str, ...] = ()) -> list[torch.nn.Module]:
-    """Regional compile's blocks: the outermost submodules of a class that ``classes`` names; where it
-    names none or none is there, the outermost composite blocks whose class occurs at least twice
-    (torch.nn containers excluded)."""
-    named = _outermost(module, lambda sub: type(sub).__name__ in classes)
-    if named:
-        return named
-    counts: dict[type, int] = {}
-    for sub in module.modules():
-        counts[type(sub)] = counts.get(type(sub), 0) + 1
-    return _outermost(module, lambda sub: (
-        counts[type(sub)] > 1
-        and any(True for _ in sub.children())
-        and not isinstance(sub, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict))
-        and not type(sub).__module__.startswith("torch.")
-    ))
-
-
-def _outermost(module: torch.nn.Module, is_block: Callable[[torch.nn.Module], bool]) -> list[torch.nn.Module]:
-    chosen = []
-
-    def walk(sub):
-        for child in sub.children():
-            if is_block(child):
-                chosen.append(child)
-            else:
-                walk(child)
-
-    walk(module)
-    return chosen
-
-
-class _Traceable(torch.nn.Module):
-    """``call(module, *inputs)`` with the ``None`` inputs fixed, since a trace takes tensors only."""
-
-    def __init__(self, module: torch.nn.Module, call: Callable, inputs: tuple):
-        super().__init__()
-        self.module = module
-        self.call = call
-        self.layout = tuple(t is None for t in inputs)
-
-    def forward(self, *tensors):
-        given = iter(tensors)
-        return self.call(self.module, *(None if missing else next(given) for missing in self.layout))
-
-
-def named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
 _compiled_models = itertools.count(1)
@@ -174,7 +93,8 @@ def on_cpu(inputs: tuple) -> bool:
 
 
 class CompiledForward:
-    """``call(module, *inputs)`` through the compiled artifact of ``config.mode``."""
+    """``call(module, *inputs)`` through the compiled artifact of ``config.mode``: what its mode object
+    (``config.kind``) sets up and runs, the set-up held here (``_compiled``, ``blocks``, ``traces``)."""
 
     def __init__(self, module: torch.nn.Module, call: Callable, config: CompileConfig):
         self.module = module
@@ -189,27 +109,14 @@ class CompiledForward:
         self._trials: dict[tuple, SpeedTrial] = {}  # CPU signatures compiled and not yet timed against eager
         self.traces: OrderedDict[tuple, tuple[Callable, dict]] = OrderedDict()
         self._codes: tuple[types.CodeType, ...] = ()
-        if config.mode == "compile":
-
-            def forward(*inputs):
-                return call(module, *inputs)
-
-            own = with_private_code(forward)
-            self._codes = (own.__code__,)
-            self._compiled = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
-        elif config.mode == "compile_regional":
-            self.blocks = repeated_blocks(module, config.block_classes)
-            self.stats.regional_blocks = dict(Counter(type(block).__name__ for block in self.blocks))
-            shared: dict[type, Callable] = {}
-            for block in self.blocks:
-                if type(block) not in shared:
-                    own = with_private_code(type(block).forward)
-                    self._codes += (own.__code__,)
-                    shared[type(block)] = torch.compile(own, **config.torch_compile_kwargs(), **isolated_recompiles())
-            self._block_forwards = [(block, shared[type(block)]) for block in self.blocks]
-            self._handed = _block_argument(config.block_options)
+        config.kind.build(self)
         if self._codes:
             weakref.finalize(self, release_compiled_code, self._codes).atexit = False  # an exiting process frees it all
+
+    def torch_compiled(self, fn: Callable) -> Callable:
+        """``fn`` through torch.compile with this forward's settings, in a recompile region of its own
+        where torch has them (``fn`` is a private code copy: ``with_private_code``)."""
+        return torch.compile(fn, **self.config.torch_compile_kwargs(), **isolated_recompiles())
 
     def __call__(self, *inputs):
         signature = input_signature(inputs)
@@ -226,7 +133,7 @@ class CompiledForward:
         if trial is not None:
             return self._timed(signature, trial, inputs)
         compilations, ran = self.stats.compilations, set()
-        watch = self.config.mode != "trace" and not self.stats.isolated and signature not in self._watched
+        watch = self.config.kind.compiles_with_dynamo and not self.stats.isolated and signature not in self._watched
         self._watched.add(signature)
         try:
             with regions_run(ran) if watch else contextlib.nullcontext():
@@ -253,7 +160,7 @@ class CompiledForward:
 
     def _past_recompile_limit(self, signature) -> bool:
         """Whether a new signature must run eagerly because dynamo's limit would turn it away anyway."""
-        if self.config.mode != "compile" or self.config.dynamic or signature in self.stats.signatures:
+        if not self.config.kind.meets_recompile_limit(self.config) or signature in self.stats.signatures:
             return False
         self.stats.recompile_limit = recompile_limit()
         if len(self.stats.signatures) < self.stats.recompile_limit:
@@ -263,97 +170,7 @@ class CompiledForward:
 
     def _run(self, inputs: tuple):
         with accounted(self.stats, self._codes):
-            if self.config.mode == "compile":
-                return self._compiled(*inputs)
-            if self.config.mode == "compile_regional":
-                with self._blocks_compiled(), _recompile_limit_at_least(REGIONAL_RECOMPILE_LIMIT):
-                    return self.call(self.module, *inputs)
-            return self._traced(inputs)(*(t for t in inputs if t is not None))
-
-    @contextlib.contextmanager
-    def _blocks_compiled(self):
-        for block, compiled in self._block_forwards:
-            block.forward = functools.partial(_block_call, compiled, block, self._handed)
-        try:
-            yield
-        finally:
-            for block, _ in self._block_forwards:
-                del block.forward
-
-    def _traced(self, inputs: tuple) -> Callable:
-        """The trace of ``inputs``' signature, ready to take the tensor inputs. Unfrozen, the trace
-        takes the module's weights as inputs too, so new weights need no rebinding; it is a function
-        in a compilation unit of its own, which goes with it (a traced module's types, or a function
-        traced by ``torch.jit.trace``, stay in TorchScript's process-wide unit for good: some 40 MiB
-        per traced UNet)."""
-        signature = input_signature(inputs)
-        state = named_state(self.module)
-        ready = (lambda traced: traced) if self.config.freeze else (lambda traced: functools.partial(traced, *state.values()))
-        if signature in self.traces:
-            traced, bound = self.traces[signature]
-            self.traces.move_to_end(signature)
-            same_names = state.keys() == bound.keys()
-            if same_names and all(bound[name] is value for name, value in state.items()):
-                return ready(traced)
-            if same_names and not self.config.freeze:
-                self.traces[signature] = (traced, state)
-                self.stats.weight_rebinds += 1
-                return ready(traced)
-            self.stats.recompile_reasons.append("weights changed and a frozen trace holds them as constants" if self.config.freeze
-                                                else "the module's weights are named otherwise than when it was traced")
-        started = time.perf_counter()
-        traceable = _Traceable(self.module, self.call, inputs)
-        tensors = tuple(t for t in inputs if t is not None)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            if self.config.freeze:
-                traced = torch.jit.optimize_for_inference(torch.jit.freeze(torch.jit.trace(traceable, tensors, check_trace=False).eval()))
-            else:
-                traced = _trace_with_weights_as_inputs(traceable, tuple(state.values()), tensors)
-        self.stats.compilations += 1
-        self.stats.compile_seconds += time.perf_counter() - started
-        self.traces[signature] = (traced, state)
-        while len(self.traces) > self.config.max_traces:
-            self.traces.popitem(last=False)
-        return ready(traced)
-
-
-def _dense(value):
-    if not isinstance(value, torch.Tensor) or value.is_contiguous() or (
-            value.dim() == 4 and value.is_contiguous(memory_format=torch.channels_last)):
-        return value
-    return value.contiguous()
-
-
-def _block_argument(block_options: Callable[[dict], dict] | None) -> Callable:
-    """How each argument reaches a compiled block: every tensor dense (contiguous, or channels-last as
-    stored), since dynamo guards on strides and a block fed straight from a transpose (SD3's first
-    joint block) would otherwise compile its kind a second time; every dict through ``block_options``,
-    where given."""
-    if block_options is None:
-        return _dense
-    return lambda value: block_options(value) if isinstance(value, dict) else _dense(value)
-
-
-def _block_call(compiled: Callable, block: torch.nn.Module, handed: Callable, *args, **kwargs):
-    """``compiled(block, ...)`` with each argument as ``handed`` makes it (``_block_argument``)."""
-    return compiled(block, *map(handed, args), **{name: handed(value) for name, value in kwargs.items()})
-
-
-def _trace_with_weights_as_inputs(traceable: _Traceable, weights: tuple, tensors: tuple):
-    """``traceable`` traced as a function of its module's ``weights`` and then its tensors: the
-    tracer records each use of a tensor it was given as an input as a use of that input, so the
-    weights' reads become inputs, not constants. The function lives in a compilation unit of its
-    own, which goes when the trace does: ``torch.jit.trace`` puts a traced function into
-    TorchScript's process-wide unit for good (its ``_compilation_unit`` serves modules only)."""
-    count = len(weights)
-
-    def with_weights(*weights_then_tensors):
-        return traceable(*weights_then_tensors[count:])
-
-    graph, _ = torch._C._create_graph_by_tracing(with_weights, [*weights, *tensors], torch.jit._trace._create_interpreter_name_lookup_fn(),
-                                                 True, False)
-    return torch._C.CompilationUnit().create_function("sdopt_trace", graph, False)
+            return self.config.kind.run(self, inputs)
 
 
 def compile_forward(module: torch.nn.Module, call: Callable, config: CompileConfig = CompileConfig()) -> CompiledForward:

@@ -29,12 +29,11 @@ from .config import (
     check_overlap,
     check_tile,
     check_tile_inputs,
-    free_memory,
 )
 from .tiling import tiled_decode, tiled_encode, unsupported_reason
 
 __all__ = [
     "ADAPTERS", "ARCHITECTURES", "DECODE", "ENCODE", "LDM_AUTOENCODER_KL", "MIN_TILE", "TILE_STEP", "TiledResult",
     "TiledVAEConfig", "TilingStats", "UnsupportedVAE", "VAEAdapter", "adapter_for", "check_overlap", "check_tile",
-    "check_tile_inputs", "free_memory", "tiled_decode", "tiled_encode", "unsupported_reason",
+    "check_tile_inputs", "tiled_decode", "tiled_encode", "unsupported_reason",
 ]

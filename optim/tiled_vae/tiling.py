@@ -7,9 +7,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..device import free_memory
 from ..precision import dtype_name
 from .adapters import layout_of
-from .config import DECODE, ENCODE, TiledResult, TiledVAEConfig, TilingStats, UnsupportedVAE, free_memory
+from .config import DECODE, ENCODE, TiledResult, TiledVAEConfig, TilingStats, UnsupportedVAE
 from .execution import Run, schedule, untiled_estimate
 
 

@@ -37,7 +37,7 @@ def test_full_and_shallow_graphs_replay_and_equal_eager(comfy, compiled):
         else:
             torch.testing.assert_close(out, eager, atol=LATENT_ATOL, rtol=0)
     path = host.pack("nodes.fast_path").fast_path_of(fast)
-    _, graph_stats = path.stats()
+    graph_stats = path.stats("SDOptCUDAGraph")
     assert sorted(s.captures for s in graph_stats) == [1, 1], "one graph for the full call, one for the shallow call"
     assert all(s.replays > 0 and not s.eager_calls for s in graph_stats)
-    assert path.schedule.stats.reused_calls == STEPS - STEPS // 3
+    assert path.state_of("SDOptStepCache").stats.reused_calls == STEPS - STEPS // 3

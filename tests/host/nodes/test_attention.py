@@ -71,7 +71,7 @@ def test_patched_sampling_matches_stock_and_leaves_the_model_alone(comfy_host, f
     assert (out - stock).abs().max().item() <= REL_TOL * stock.abs().max().item(), mini["family"].title
     assert torch.equal(mini["sample"](model), stock), "the model the node was given must be unchanged"
     assert model.model_options == options_before
-    (record,) = comfy_host.glue.model_records(patched.model_options)
+    (record,) = comfy_host.patching.model_records(patched.model_options)
     assert record["node"] == "SDOptAttention" and record["requested"] == backend
     assert record["active"] == ("auto (pending)" if backend == "auto" else backend)
 
@@ -92,7 +92,7 @@ def test_flux_joint_attention_matches_stock_and_leaves_the_model_alone(comfy_hos
     patched = _patch(comfy_host, model, backend)
     assert (flux_mini["sample"](patched) - stock).abs().max().item() <= REL_TOL * stock.abs().max().item()
     assert torch.equal(flux_mini["sample"](model), stock), "the model the node was given must be unchanged"
-    (record,) = comfy_host.glue.model_records(patched.model_options)
+    (record,) = comfy_host.patching.model_records(patched.model_options)
     assert record["active"] == ("auto (pending)" if backend == "auto" else backend)
 
 
@@ -107,7 +107,7 @@ def test_override_is_shared_by_downstream_clones(comfy_host, mini):
 def test_chained_nodes_keep_one_record_and_the_second_override(comfy_host, mini):
     first = _patch(comfy_host, mini["model"], "naive")
     second = _patch(comfy_host, first, "sub_quadratic")
-    (record,) = comfy_host.glue.model_records(second.model_options)
+    (record,) = comfy_host.patching.model_records(second.model_options)
     assert record["requested"] == "sub_quadratic"
     overrides = [m.model_options["transformer_options"]["optimized_attention_override"] for m in (first, second)]
     assert overrides[0] is not overrides[1]
@@ -125,7 +125,7 @@ def test_auto_pick_reaches_the_profiled_run(comfy_host, family_mini):
     mini = family_mini
     SamplingRun = comfy_host.pack("measure.profiler").SamplingRun
     patched = _patch(comfy_host, mini["model"], "auto")
-    run = SamplingRun("attention", mini["model"].load_device, comfy_host.glue.model_records(patched.model_options))
+    run = SamplingRun("attention", mini["model"].load_device, comfy_host.patching.model_records(patched.model_options))
     with run.memory_scope():
         run.start()
         mini["sample"](patched)
@@ -141,7 +141,7 @@ def test_missing_package_falls_back_or_raises(comfy_host, family_mini, no_xforme
     UserError = comfy_host.pack("errors").UserError
 
     patched = _patch(comfy_host, mini["model"], "xformers")
-    (record,) = comfy_host.glue.model_records(patched.model_options)
+    (record,) = comfy_host.patching.model_records(patched.model_options)
     assert record["active"] == "sdpa"
     assert record["note"] == "fallback from xformers to sdpa: xformers is not installed: pip install xformers"
     out = mini["sample"](patched)

@@ -95,7 +95,7 @@ def test_compiled_sampling_matches_stock_and_leaves_the_model_alone(request, com
     patched = compiled(comfy_host, model, mode, backend)
     assert close(host.sample(patched), stock)
     assert torch.equal(host.sample(loaded), stock), "the model the node was given must be unchanged"
-    (compile_stats,), _ = fast_path(comfy_host, patched).stats()
+    (compile_stats,) = fast_path(comfy_host, patched).stats("SDOptCompile")
     assert compile_stats.compilations >= 1 and compile_stats.cache_entries == 1
     if mode == "compile_regional":  # every block kind the family describes, Flux's one block of each included
         assert set(compile_stats.regional_blocks) == set(FAMILIES[family].repeated_blocks)
@@ -108,7 +108,7 @@ def test_new_steps_and_seed_do_not_recompile(comfy_host, mini):
 
     patched = compiled(comfy_host, mini[0])  # the whole-UNet compile above left its graph in sdopt's cache
     comfy_host.sample(patched)
-    (stats,), _ = fast_path(comfy_host, patched).stats()
+    (stats,) = fast_path(comfy_host, patched).stats("SDOptCompile")
     compilations = stats.compilations
     positive, negative = comfy_host._conds
     latent = {"samples": torch.zeros(1, 4, 8, 8)}
@@ -151,7 +151,7 @@ def test_a_lora_and_its_strength_changes_are_followed_without_recompiling(reques
         eager = eager_at(strength)
         assert not close(eager, stock), "the test LoRA must change the output"
         assert close(host.sample(comfy_host.with_lora(patched, lora, strength)), eager), f"strength {strength}"
-        (stats,), _ = fast_path(comfy_host, patched).stats()
+        (stats,) = fast_path(comfy_host, patched).stats("SDOptCompile")
         if compilations is not None:
             assert stats.compilations == compilations, f"a strength change recompiled: {stats.recompile_reasons}"
         compilations = stats.compilations
@@ -191,7 +191,7 @@ def test_a_lora_loaded_before_the_node_is_used_at_each_strength(request, comfy_h
         assert not close(eager, stock), "the test LoRA must change the output"
         patched = compiled(comfy_host, lora_model, "trace")
         assert close(host.sample(patched), eager), f"strength {strength}"
-        (stats,), _ = fast_path(comfy_host, patched).stats()
+        (stats,) = fast_path(comfy_host, patched).stats("SDOptCompile")
         assert stats.compilations == 1
     assert torch.equal(host.sample(loaded), stock), "the model the node was given must be unchanged"
 
@@ -201,7 +201,7 @@ def test_a_conv_lora_over_channels_last_weights_keeps_their_layout_and_never_rec
     (channels_last,) = comfy_host.nodes["SDOptPrecision"]().patch(model, "default", "default", False, True)
     patched = compiled(comfy_host, channels_last, backend="aot_eager")  # dynamo guards the weights' layout for every backend
     assert close(comfy_host.sample(patched), stock)
-    (stats,), _ = fast_path(comfy_host, patched).stats()
+    (stats,) = fast_path(comfy_host, patched).stats("SDOptCompile")
     compilations = stats.compilations
     for strength in (1.0, 0.5):
         eager = comfy_host.sample(comfy_host.with_lora(model, loras("conv"), strength))
@@ -219,7 +219,7 @@ def test_cuda_graph_passes_through_on_a_cpu_and_says_so(request, comfy_host, fam
     (patched,) = comfy_host.nodes["SDOptCUDAGraph"]().patch(model, 4, "fallback")
     assert torch.equal(host.sample(patched), stock)
     assert torch.equal(host.sample(model), stock), "the model the node was given must be unchanged"
-    (record,) = comfy_host.glue.model_records(patched.model_options)
+    (record,) = comfy_host.patching.model_records(patched.model_options)
     assert record["active"] == "eager" and "CUDA graphs need a CUDA device" in record["note"]
     error = comfy_host.pack("errors").UserError
     with pytest.raises(error, match="on_unavailable: CUDA graphs need a CUDA device"):
@@ -231,8 +231,8 @@ def test_compile_then_graph_share_one_fast_path(comfy_host, mini):
     patched = compiled(comfy_host, model, "trace")
     assert comfy_host.wrapper_counts(patched, comfy_host.fast_path.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
     again = compiled(comfy_host, patched, "compile_regional")
-    assert fast_path(comfy_host, again).compile_config.mode == "compile_regional"
-    assert fast_path(comfy_host, patched).compile_config.mode == "trace", "the upstream clone keeps its own fast path"
+    assert fast_path(comfy_host, again).config_of("SDOptCompile").mode == "compile_regional"
+    assert fast_path(comfy_host, patched).config_of("SDOptCompile").mode == "trace", "the upstream clone keeps its own fast path"
     assert comfy_host.wrapper_counts(again, comfy_host.fast_path.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
 
 
@@ -246,12 +246,12 @@ def test_compile_wired_alone_compiles_once_and_its_record_says_how_attention_ran
     patched = compiled(comfy_host, loaded, "compile", backend)
     profiled = host.nodes["SDOptProfiler"]().apply(patched, "compile alone")[0]
     assert close(host.sample(profiled), stock)
-    (stats,), _ = fast_path(comfy_host, patched).stats()
+    (stats,) = fast_path(comfy_host, patched).stats("SDOptCompile")
     assert stats.compilations == 1, stats.summary()
     assert (stats.graph_breaks, stats.gave_up, stats.reused) == ({}, {}, {}), stats.details()
     (run,) = comfy_host.prompt_context.prompt_log(prompt_context).runs
     (record,) = [o for o in run["optimizations"] if o["node"] == "SDOptCompile"]
-    host_attention = comfy_host.glue.comfy_attention().optimized_attention
+    host_attention = comfy_host.environment.comfy_attention().optimized_attention
     dtype = loaded.model.manual_cast_dtype or loaded.model_dtype()
     breaks = comfy_host.pack("nodes.compile").host_attention_breaks(host_attention, str(torch.device(loaded.load_device)), dtype)
     routed = f"attention routed through sdopt's sdpa: ComfyUI's {host_attention.__name__} breaks torch.compile's graph ({breaks[0]})" if breaks else ""

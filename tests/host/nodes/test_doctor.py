@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from sdopt.tools.doctor import OK, STATUSES
+from sdopt.nodes.checks import OK, STATUSES
 
 NODE = "SDOptDoctor"
 
@@ -34,7 +34,7 @@ def test_comfyui_is_read_from_the_running_server(examined, comfy_host):
 
     assert rows["ComfyUI"]["status"] == OK and rows["ComfyUI"]["result"].startswith(f"{__version__} at ")
     assert "memory" in rows["ComfyUI memory mode"]["tried"]
-    device = str(comfy_host.pack("tools.doctor").comfyui_device())
+    device = str(comfy_host.pack("nodes.checks").comfyui_device())
     assert f"on {device}" in rows["device"]["tried"]
 
 

@@ -72,7 +72,7 @@ def test_low_memory_sampling_matches_stock_and_leaves_the_model_alone(family_hos
     over_budget = max(working for _, working in stock_calls) / 2 > BUDGET
     tokens, stock_tokens = {t for t, _ in sliced_calls}, {t for t, _ in stock_calls}
     assert (tokens != stock_tokens) == over_budget, "feed-forwards over the budget ran over token slices too"
-    records = {r["node"]: r for r in family_host.glue.model_records(patched.model_options)}
+    records = {r["node"]: r for r in family_host.patching.model_records(patched.model_options)}
     active = records["SDOptLowMemory"]["active"]
     assert active.startswith("budget 1 MiB, low_memory attention, sequential cfg, chunked over the budget: ")
     assert "feed-forwards" in active and not records["SDOptLowMemory"]["short"]

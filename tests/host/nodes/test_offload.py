@@ -27,7 +27,7 @@ def _run_record(comfy_host, prompt_id):
 def test_on_a_cpu_the_node_passes_through_and_says_so(family_host):
     model = family_host.load_checkpoint()[0]
     (patched,) = family_host.nodes["SDOptOffload"]().patch(model, "budget", 16, "fallback")
-    (record,) = [r for r in family_host.glue.model_records(patched.model_options) if r["node"] == "SDOptOffload"]
+    (record,) = [r for r in family_host.patching.model_records(patched.model_options) if r["node"] == "SDOptOffload"]
     assert record["active"] == "no-op" and "CPU" in record["note"]
     assert family_host.wrapper_counts(patched, "SDOptOffload") == {}
     assert torch.equal(family_host.sample(patched), family_host.sample(model))

@@ -43,7 +43,7 @@ def test_rerun_with_nothing_changed_shows_the_last_real_figures_marked_cached(qu
 
 def test_a_cached_report_keeps_the_notes_of_the_real_one(comfy_host, monkeypatch):
     note = "dynamic VRAM turned off where ComfyUI turns it on by default"
-    monkeypatch.setattr(comfy_host.pack("nodes.glue"), "memory_mode", lambda device: ("classic", note))
+    monkeypatch.setattr(comfy_host.pack("nodes.environment"), "memory_mode", lambda device: ("classic", note))
     prompt = comfy_host.prompt(comfy_host.WORKFLOWS / "sd15_baseline.json", [*comfy_host.SMALL, "KSampler.steps=1", "KSampler.seed=5"])
     comfy_host.host.clear_cache()
     real = comfy_host.host.execute(prompt).report

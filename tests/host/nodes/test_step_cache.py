@@ -26,7 +26,7 @@ def cached(host, model, interval=3, branch=0, start=0.0, end=1.0, on_unavailable
 
 
 def schedule_stats(host, model):
-    return host.fast_path.fast_path_of(model).schedule.stats
+    return host.fast_path.fast_path_of(model).state_of("SDOptStepCache").stats
 
 
 def close(out, reference):
@@ -117,7 +117,7 @@ def test_compiled_cache_compiles_each_kind_once_and_follows_a_lora(comfy_host, s
     for strength in (1.0, 0.5, 1.0):
         expected = expected_at(strength)
         assert close(comfy_host.sample(comfy_host.with_lora(compiled, lora, strength), STEPS), expected), f"strength {strength}"
-    compile_stats, _ = comfy_host.fast_path.fast_path_of(compiled).stats()
+    compile_stats = comfy_host.fast_path.fast_path_of(compiled).stats("SDOptCompile")
     assert sorted(s.compilations for s in compile_stats) == [1, 1], "one trace for the full call, one for the shallow call"
 
 
@@ -132,7 +132,7 @@ def test_a_branch_past_the_unets_levels_is_refused_or_passed_through(unet_host, 
         cached(unet_host, model, branch=11, on_unavailable="error")
     passed = cached(unet_host, model, branch=11)
     assert unet_host.fast_path.fast_path_of(passed) is None and unet_host.wrapper_counts(passed, "SDOptStepCache") == {}
-    (record,) = [r for r in unet_host.glue.model_records(passed.model_options) if r["node"] == "SDOptStepCache"]
+    (record,) = [r for r in unet_host.patching.model_records(passed.model_options) if r["node"] == "SDOptStepCache"]
     assert record["active"] == "eager" and f"branch 11 is past the UNet's {depth} skip levels" in record["note"]
 
 
@@ -151,7 +151,7 @@ def test_comfyuis_easycache_before_compile_runs_compiled_and_after_it_says_why_n
     before = traced(easycache(model))
     assert close(host.sample(before, STEPS), host.sample(easycache(model), STEPS))
     fast = host.fast_path.fast_path_of(before)
-    assert not fast.eager_reasons and [s.compilations for s in fast.stats()[0]] == [1]
+    assert not fast.eager_reasons and [s.compilations for s in fast.stats("SDOptCompile")] == [1]
     after = easycache(traced(model))
     host.sample(after, STEPS)
     assert set(host.fast_path.fast_path_of(after).eager_reasons) == {"another DIFFUSION_MODEL wrapper runs inside this one"}
@@ -191,7 +191,7 @@ def test_a_diffusion_transformer_is_passed_through_with_the_reason_or_refused(di
         cached(dit_host, model, on_unavailable="error")
     passed = cached(dit_host, model)
     assert dit_host.fast_path.fast_path_of(passed) is None
-    (record,) = dit_host.glue.model_records(passed.model_options)
+    (record,) = dit_host.patching.model_records(passed.model_options)
     assert record["active"] == "eager" and "not a UNet" in record["note"] and "not a UNet" in record["short"]
     assert torch.equal(dit_host.sample(passed), dit_host.sample(model))
 
@@ -234,7 +234,7 @@ def test_first_block_skips_the_later_blocks_and_leaves_the_model_alone(comfy_hos
     assert torch.isfinite(out).all() and not torch.equal(out, reference), "skipped blocks change the latent"
     assert torch.equal(host.sample(patched, STEPS), out), "a new sampling run starts from a fresh cache"
     assert torch.equal(host.sample(model, STEPS), reference), "the model the node was given must be unchanged"
-    (record,) = host.glue.model_records(patched.model_options)
+    (record,) = host.patching.model_records(patched.model_options)
     assert record["active"] == "first_block: threshold 1" and "6 double_blocks" in record["note"]
 
 
@@ -270,7 +270,7 @@ def test_first_block_under_regional_compile_runs_compiled_and_whole_compile_runs
     regional = compile_node.patch(first_block(host, model, threshold=1.0), "compile_regional", "aot_eager", "default", False, False, "fallback")[0]
     assert close(host.sample(regional, STEPS), eager)
     fast = host.fast_path.fast_path_of(regional)
-    assert not fast.eager_reasons and sum(s.compilations for s in fast.stats()[0]) >= 1
+    assert not fast.eager_reasons and sum(s.compilations for s in fast.stats("SDOptCompile")) >= 1
     assert block_cache(host, regional).stats.reused_calls > 0
 
     whole = compile_node.patch(first_block(host, model, threshold=1.0), "trace", "inductor", "default", False, False, "fallback")[0]
@@ -283,7 +283,7 @@ def test_first_block_on_a_unet_is_passed_through_with_the_mode_that_fits_or_refu
     with pytest.raises(Exception, match="mode: the model is not a diffusion transformer.*; use mode deepcache"):
         first_block(comfy_host, model, on_unavailable="error")
     passed = first_block(comfy_host, model)
-    (record,) = comfy_host.glue.model_records(passed.model_options)
+    (record,) = comfy_host.patching.model_records(passed.model_options)
     assert record["active"] == "uncached" and "not a diffusion transformer" in record["short"]
     assert "dit" not in passed.model_options["transformer_options"].get("patches_replace", {})
     assert torch.equal(comfy_host.sample(passed, STEPS), reference)

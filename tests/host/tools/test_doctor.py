@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from sdopt.tools.doctor import FAILED, OK, STATUSES
+from sdopt.nodes.checks import FAILED, OK, STATUSES
 
 
 def test_doctor_runs_every_check_against_this_comfyui(comfy_host, tmp_path):

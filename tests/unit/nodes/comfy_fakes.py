@@ -107,6 +107,22 @@ class WrappedPatcher:
         return self.wrappers.get(wrapper_type, {}).get(key, [])
 
 
+class FakeVAE:
+    """Like ComfyUI's VAE: a plain class with decode/encode methods and no clone()."""
+
+    def __init__(self):
+        self.calls = []
+        self.first_stage_model = nn.Identity()
+
+    def decode(self, samples):
+        self.calls.append(("decode", samples))
+        return samples * 2
+
+    def encode(self, pixels):
+        self.calls.append(("encode", pixels))
+        return pixels / 2
+
+
 def keyed_wrappers(patcher, key):
     return {kind: by_key[key] for kind, by_key in patcher.wrappers.items() if key in by_key}
 

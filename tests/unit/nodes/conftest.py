@@ -1,10 +1,11 @@
 """Fixtures of the nodes' unit tests: the real ComfyUI kept out, fakes of its modules put in for one test."""
 import sys
+import types
 from collections import OrderedDict
 
 import pytest
 
-from sdopt.nodes import prompt_context
+from sdopt.nodes import environment, prompt_context
 
 from .comfy_fakes import PROMPT, WrappersMP, install
 
@@ -32,3 +33,11 @@ def prompts(monkeypatch):
 @pytest.fixture
 def patcher_extension(monkeypatch):
     return install(monkeypatch, "comfy.patcher_extension", WrappersMP=WrappersMP)
+
+
+@pytest.fixture
+def comfy_attention(monkeypatch):
+    """A fake of ComfyUI's attention module (``comfy.ldm.modules.attention``), as ``environment.comfy_attention`` returns it."""
+    module = types.SimpleNamespace(get_attn_precision=lambda precision, dtype: precision)
+    monkeypatch.setattr(environment, "comfy_attention", lambda: module)
+    return module

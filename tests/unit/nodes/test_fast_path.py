@@ -7,8 +7,11 @@ import torch
 
 from sdopt.errors import UserError
 from sdopt.measure.profiler import SamplingRun, active_run
-from sdopt.nodes import glue
-from sdopt.nodes.fast_path import CHAIN, COMPILE, FAST_PATH_KEY, GRAPH, STEP_CACHE, FastPath, fast_path_of
+from sdopt.nodes import environment, patching
+from sdopt.nodes.compile import CHAIN_MEMBER as COMPILE
+from sdopt.nodes.cuda_graph import CHAIN_MEMBER as GRAPH
+from sdopt.nodes.fast_path import FAST_PATH_KEY, ChainMember, FastPath, fast_path_of
+from sdopt.nodes.step_cache import CHAIN_MEMBER as STEP_CACHE
 from sdopt.optim.precision import converted_copy
 
 from .comfy_fakes import (SD3, SDXL, SSD1B, AuraFlow, FastPatcher, TinyMMDiT, TinyUNet, TinyXLUNet, install, keyed_wrappers,
@@ -50,10 +53,10 @@ def _compile_node(model, mode="trace"):
 def test_compile_node_runs_on_the_non_dynamic_delegate_of_a_dynamic_patcher(patcher_extension):
     patched = _compile_node(DynamicPatcher())
     assert patched.model_options.get("delegate") and not hasattr(patched, "is_dynamic")
-    (record,) = glue.model_records(patched.model_options)
+    (record,) = patching.model_records(patched.model_options)
     assert "non-dynamic delegate" in record["note"]
     plain = _compile_node(FastPatcher())
-    assert "delegate" not in plain.model_options and "non-dynamic" not in glue.model_records(plain.model_options)[0]["note"]
+    assert "delegate" not in plain.model_options and "non-dynamic" not in patching.model_records(plain.model_options)[0]["note"]
 
 
 class UnreloadablePatcher(DynamicPatcher):
@@ -68,9 +71,9 @@ def test_compile_node_without_a_non_dynamic_delegate_follows_on_unavailable(patc
 
     patched = _compile_node(UnreloadablePatcher())
     assert fast_path_of(patched) is None and patched.is_dynamic(), "eager, streamed by ComfyUI as before"
-    (record,) = glue.model_records(patched.model_options)
+    (record,) = patching.model_records(patched.model_options)
     assert record["active"] == "eager" and "cached_patcher_init is not initialized" in record["note"]
-    assert keyed_wrappers(patched, glue.HEAP_TRIM_KEY), "an eager clone still hands freed host memory back after sampling"
+    assert keyed_wrappers(patched, patching.HEAP_TRIM_KEY), "an eager clone still hands freed host memory back after sampling"
     with pytest.raises(UserError, match=r"^model: ComfyUI's dynamic VRAM streams this model"):
         SDOptCompile().patch(UnreloadablePatcher(), "trace", "inductor", "default", False, False, "error")
 
@@ -89,7 +92,7 @@ def test_fast_path_calls_the_unet_with_tensors_and_stable_options_only(patcher_e
         assert executor.calls == 0, "the compiled path, not the executor, ran"
     fast_path_calls = [keys for keys in unet.seen_options if keys]
     assert fast_path_calls and all(keys == ["optimized_attention_override"] for keys in fast_path_calls), "per-step options never reach the UNet"
-    (stats,), graphs = fast_path.stats()
+    (stats,), graphs = fast_path.stats("SDOptCompile"), fast_path.stats("SDOptCUDAGraph")
     assert stats.compilations == 1 and graphs == []
 
 
@@ -123,7 +126,7 @@ def test_sd3s_mmdit_is_routed_through_the_fast_path_for_each_call_and_restored(p
     for _ in range(3):
         torch.testing.assert_close(router(ApplyModel(mmdit), x, t, context, y, {}), reference, rtol=0, atol=0)
         assert "forward" not in mmdit.__dict__, "the model's own forward is back after the call"
-    (stats,), _ = fast_path.stats()
+    (stats,) = fast_path.stats("SDOptCompile")
     assert stats.compilations == 1 and not fast_path.eager_reasons
     with pytest.raises(RuntimeError, match="interrupted"):
         router(ApplyModel(mmdit, fail=True), x, t, context, y, {})
@@ -157,7 +160,7 @@ def test_compile_and_graph_share_one_fast_path_in_either_order(patcher_extension
     graph = lambda model: graph_node.SDOptCUDAGraph().patch(model, 3, "fallback")[0]  # noqa: E731
     for model in (graph(_compile_node(FastPatcher())), _compile_node(graph(FastPatcher()))):
         fast_path = fast_path_of(model)
-        assert fast_path.compile_config.mode == "trace" and fast_path.graph_config.max_graphs == 3
+        assert fast_path.config_of("SDOptCompile").mode == "trace" and fast_path.config_of("SDOptCUDAGraph").max_graphs == 3
         assert set(fast_path.requested) == {"SDOptCompile", "SDOptCUDAGraph"}
         assert keyed_wrappers(model, FAST_PATH_KEY) == {"diffusion_model": [fast_path], "sampler_sample": keyed_wrappers(model, FAST_PATH_KEY)["sampler_sample"]}
 
@@ -167,7 +170,7 @@ def test_graph_node_on_a_cpu_passes_through_or_stops(patcher_extension):
 
     (passed,) = SDOptCUDAGraph().patch(FastPatcher(), 4, "fallback")
     assert fast_path_of(passed) is None
-    assert "CUDA graphs need a CUDA device" in glue.model_records(passed.model_options)[0]["note"]
+    assert "CUDA graphs need a CUDA device" in patching.model_records(passed.model_options)[0]["note"]
     with pytest.raises(UserError, match="^on_unavailable: CUDA graphs need a CUDA device"):
         SDOptCUDAGraph().patch(FastPatcher(), 4, "error")
 
@@ -267,7 +270,7 @@ def _profiled_steps(fast_path, unet, steps):
 def test_the_step_whose_call_compiles_is_warm_up_and_out_of_the_steady_rate(patcher_extension):
     fast_path = fast_path_of(_compile_node(FastPatcher()))
     result = _profiled_steps(fast_path, TinyUNet(), 4)
-    (stats,), _ = fast_path.stats()
+    (stats,) = fast_path.stats("SDOptCompile")
     assert stats.compilations == 1
     assert [s["warmup"] for s in result.steps] == [{}, {"compile": stats.compile_seconds}, {}, {}], (
         "the first call of a shape runs eagerly: the compile lands in step 1"
@@ -299,7 +302,7 @@ def test_the_step_whose_call_captures_is_warm_up_with_the_compile_inside_counted
     model = graph_node.SDOptCUDAGraph().patch(_compile_node(FastPatcher()), 4, "fallback")[0]
     fast_path = fast_path_of(model)
     result = _profiled_steps(fast_path, TinyUNet(), 3)
-    (compile_stats,), (graph_stats,) = fast_path.stats()
+    (compile_stats,), (graph_stats,) = fast_path.stats("SDOptCompile"), fast_path.stats("SDOptCUDAGraph")
     assert (compile_stats.compilations, graph_stats.captures, graph_stats.replays) == (1, 1, 3)
     first, *rest = [s["warmup"] for s in result.steps]
     assert set(first) == {"compile", "capture"} and rest == [{}, {}], "the capture's warm-up runs compile, in step 0"
@@ -314,7 +317,7 @@ def test_a_fast_path_call_outside_a_profiled_run_marks_nothing(patcher_extension
     unet = TinyUNet()
     for seed in range(2):
         fast_path(Executor(unet), *unet_inputs(seed), None, None, {})
-    assert active_run() is None and fast_path.stats()[0][0].compilations == 1
+    assert active_run() is None and fast_path.stats("SDOptCompile")[0].compilations == 1
 
 
 @torch.inference_mode()
@@ -331,7 +334,7 @@ def test_fast_path_gives_sdxls_y_to_the_compiled_unet_as_an_input(patcher_extens
         out = fast_path(executor, *args, **kwargs)
         torch.testing.assert_close(out, unet._forward(x, t, context, y), rtol=0, atol=0)
         assert executor.calls == 0, "the traced path, not the executor, ran"
-    (stats,), _ = fast_path.stats()
+    (stats,) = fast_path.stats("SDOptCompile")
     assert stats.compilations == 1, "one trace serves every y of one shape: y is its input, not a constant"
 
 
@@ -351,7 +354,7 @@ def test_fast_path_binds_the_tensor_inputs_its_family_names(patcher_extension):
     from sdopt.optim.compile import CompileConfig
 
     guided = dataclasses.replace(SD15_FAMILY, call=DiffusionCall(tensor_inputs=("x", "timesteps", "context", "y", "guidance")))
-    fast_path = FastPath({COMPILE: CompileConfig("trace")}, glue.ModelFamily(guided, "Guided"))
+    fast_path = FastPath({COMPILE: CompileConfig("trace")}, environment.ModelFamily(guided, "Guided"))
     unet = GuidedUNet()
     for seed in range(3):
         x, t, context = unet_inputs(seed)
@@ -379,7 +382,7 @@ def test_a_model_of_an_unknown_family_keeps_the_unet_call_and_the_records_say_so
     from sdopt.nodes.cuda_graph import SDOptCUDAGraph
 
     model = _compile_node(FastPatcher(AuraFlow))
-    (record,) = glue.model_records(model.model_options)
+    (record,) = patching.model_records(model.model_options)
     assert "family unknown (AuraFlow)" in record["note"]
     fast_path = fast_path_of(model)
     unet = TinyUNet()
@@ -395,9 +398,9 @@ def test_a_model_of_an_unknown_family_keeps_the_unet_call_and_the_records_say_so
     (ran,) = run.optimizations
     assert "family unknown (AuraFlow)" in ran["note"]
     known = _compile_node(FastPatcher(SDXL))
-    assert "family" not in glue.model_records(known.model_options)[0]["note"]
+    assert "family" not in patching.model_records(known.model_options)[0]["note"]
     (passed,) = SDOptCUDAGraph().patch(FastPatcher(AuraFlow), 4, "fallback")
-    assert "family unknown" not in glue.model_records(passed.model_options)[0]["note"], "a node that runs nothing assumes nothing"
+    assert "family unknown" not in patching.model_records(passed.model_options)[0]["note"], "a node that runs nothing assumes nothing"
 
 
 @torch.inference_mode()
@@ -407,23 +410,63 @@ def test_the_chain_runs_innermost_first_whatever_order_its_configs_come_in(patch
     from sdopt.optim.cuda_graph import GraphConfig, GraphedFunction
     from sdopt.optim.step_cache import StepCacheConfig
 
-    family = glue.ModelFamily(SD15_FAMILY, "SD15")
+    family = environment.ModelFamily(SD15_FAMILY, "SD15")
     configs = {GRAPH: GraphConfig(), COMPILE: CompileConfig("trace"), STEP_CACHE: StepCacheConfig()}
     fast_path = FastPath(configs, family)
-    assert list(fast_path.configs) == list(CHAIN) == [STEP_CACHE, COMPILE, GRAPH]
+    assert list(fast_path.configs) == [STEP_CACHE, COMPILE, GRAPH]
     # the graph captures what compile made, never the other way round
     fn, parts, _ = FastPath({GRAPH: GraphConfig(), COMPILE: CompileConfig("trace")}, family)._runner(TinyUNet(), {})
     assert isinstance(fn, GraphedFunction) and fn is parts[GRAPH] and fn.fn is parts[COMPILE]
     replaced = fast_path.with_config(COMPILE, None)
-    assert list(replaced.configs) == [STEP_CACHE, GRAPH] and fast_path.compile_config is not None
-    with pytest.raises(ValueError, match="not in the fast path's chain"):
+    assert list(replaced.configs) == [STEP_CACHE, GRAPH] and fast_path.config_of("SDOptCompile") is not None
+    with pytest.raises(ValueError, match="not a member of the fast path's chain"):
         FastPath({"quantize": object()}, family)
+
+
+@torch.inference_mode()
+def test_a_new_member_joins_the_chain_at_its_place_and_writes_its_own_record(patcher_extension):
+    """A forward technique the chain file does not name: one ChainMember, declared where its node is."""
+    from sdopt.families import SD15 as SD15_FAMILY
+    from sdopt.optim.compile import CompileConfig
+
+    calls = []
+
+    class Doubling(ChainMember):
+        node, place = "SDOptDoubling", 25  # between compile (20) and graphs (30)
+
+        def wrap(self, path, unet, fn, call, config, options):
+            def doubled(*tensors):
+                calls.append(len(tensors))
+                return fn(*tensors) * config
+
+            return doubled, doubled, None
+
+        def record(self, path, config, state, parts, eager):
+            return f"x{config} on {len(parts)} runner(s)", eager.note, eager.short
+
+    doubling = Doubling()
+    fast_path = FastPath({doubling: 2, COMPILE: CompileConfig("trace")}, environment.ModelFamily(SD15_FAMILY, "SD15"))
+    assert list(fast_path.configs) == [COMPILE, doubling]
+    fast_path.requested = {"SDOptDoubling": "x2"}
+    unet = TinyUNet()
+    x, t, context = unet_inputs()
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        fast_path.begin_run()
+        out = fast_path(Executor(unet), x, t, context, None, None, {})
+        fast_path.end_run()
+    torch.testing.assert_close(out, 2 * unet._forward(x, t, context), rtol=0, atol=0)
+    assert calls == [len(SD15_FAMILY.call.tensor_inputs)], "the member got the forward of the family's tensor inputs"
+    (record,) = run.optimizations
+    assert (record["node"], record["requested"], record["active"]) == ("SDOptDoubling", "x2", "x2 on 1 runner(s)")
+    with pytest.raises(ValueError, match="at one place"):
+        FastPath({doubling: 2, Doubling(): 3}, fast_path.family)
 
 
 def test_regional_compile_leaves_a_blocks_place_out_only_where_nothing_in_the_call_reads_it():
     from sdopt.families import FLUX, SD15
     from sdopt.nodes.attention import OVERRIDE_KEY, comfy_attention_override
-    from sdopt.nodes.fast_path import positionless_block_options
+    from sdopt.nodes.compile import positionless_block_options
     from sdopt.optim.attention import AttentionConfig, build_attention
 
     ours = comfy_attention_override(build_attention(AttentionConfig(backend="sdpa")), lambda delegated=False: None)

@@ -13,7 +13,7 @@ import torch
 
 from sdopt.errors import UserError
 from sdopt.measure.profiler import SamplingRun
-from sdopt.nodes import glue
+from sdopt.nodes import patching
 from sdopt.nodes import offload as offload_node
 from sdopt.optim.offload import MIB, OffloadConfig
 
@@ -209,7 +209,7 @@ class UnreloadablePatcher(DynamicMemoryPatcher):
 def test_a_dynamic_patcher_without_a_delegate_follows_on_unavailable(comfy):
     model = _node(UnreloadablePatcher(), "budget", 100)
     assert type(model) is UnreloadablePatcher, "ComfyUI's dynamic VRAM keeps streaming it"
-    (record,) = glue.model_records(model.model_options)
+    (record,) = patching.model_records(model.model_options)
     assert record["active"] == "no-op" and "cached_patcher_init is not initialized" in record["note"]
     assert record["short"].startswith("does nothing: ComfyUI's dynamic VRAM streams this model")
     with pytest.raises(UserError, match=r"^model: ComfyUI's dynamic VRAM streams this model .*start ComfyUI with dynamic VRAM off"):
@@ -236,7 +236,7 @@ def test_unload_after_frees_the_model_when_the_sampler_returns(comfy):
 def test_on_a_cpu_it_is_a_no_op_or_an_error_naming_the_input(comfy):
     model = _node(MemoryPatcher("cpu"), "budget")
     assert not any(offload_node.NODE in by_key for by_key in model.wrappers.values())
-    (record,) = glue.model_records(model.model_options)
+    (record,) = patching.model_records(model.model_options)
     assert record["active"] == "no-op" and "CPU" in record["note"]
     assert record["short"].startswith("does nothing: "), "the report table says the node did less than asked"
     with pytest.raises(UserError, match=r"^mode: .*; set mode to none \(or set on_unavailable to fallback to pass the model through\)$"):

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from sdopt.errors import UserError
-from sdopt.nodes import glue
+from sdopt.nodes import patching
 from sdopt.nodes.precision import SDOptPrecision
 
 from .comfy_fakes import WrappedPatcher
@@ -55,7 +55,7 @@ def test_auto_keeps_quantized_weights_as_loaded(comfy):
     model = QuantizedPatcher()
     (patched,) = SDOptPrecision().patch(model, "auto", "default", False, False)
     assert patched is not model and patched.model is model.model, "a clone over the same weights, no converted copy"
-    (entry,) = glue.model_records(patched.model_options)
+    (entry,) = patching.model_records(patched.model_options)
     assert entry["active"].startswith("weight=bf16")
     assert "auto: weights kept as loaded: they are quantized" in entry["note"]
 

@@ -5,7 +5,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from sdopt.nodes import glue, prompt_context
+from sdopt.nodes import environment, prompt_context
 
 from .comfy_fakes import PROMPT, install
 
@@ -84,7 +84,7 @@ def test_node_timer_times_the_executing_node_and_later_ones(progress):
 
 def test_node_timer_adds_what_dynamic_vram_mapped(progress, monkeypatch):
     readings = iter(mib * 2**20 for mib in (1, 5, 3, 2))
-    monkeypatch.setattr(glue, "dynamic_vram_probe", lambda device: lambda: next(readings))
+    monkeypatch.setattr(environment, "dynamic_vram_probe", lambda device: lambda: next(readings))
     assert prompt_context.install_node_timer(PROMPT, "3") is True  # node 3 starts: 1 MiB mapped
     handler = progress.handlers[prompt_context.HANDLER_NAME]
     handler.finish_handler("3", None, PROMPT)  # 5 MiB
@@ -96,7 +96,7 @@ def test_node_timer_adds_what_dynamic_vram_mapped(progress, monkeypatch):
 def test_node_timer_reads_dynamic_vram_at_each_progress_update_of_a_node(progress, monkeypatch):
     """A sampler maps weights in and lets pressure evict them between its steps: its peak is one of the steps'."""
     readings = iter(mib * 2**20 for mib in (1, 2, 9, 4, 3))
-    monkeypatch.setattr(glue, "dynamic_vram_probe", lambda device: lambda: next(readings))
+    monkeypatch.setattr(environment, "dynamic_vram_probe", lambda device: lambda: next(readings))
     prompt_context.install_node_timer(PROMPT, "3")  # 1 MiB as node 3 starts
     handler = progress.handlers[prompt_context.HANDLER_NAME]
     for step in (1, 2, 3):  # 2, 9, 4 MiB

@@ -69,7 +69,7 @@ def test_each_bad_input_gets_one_message_under_its_own_name(name, value, message
 
 def test_the_run_names_a_bad_budget_itself_when_it_comes_through_a_link():
     """A linked budget_mb skips ComfyUI's minimum check; the node names it when it runs."""
-    assert run_error({**VALID, "budget_mb": -1}).startswith("budget_mb: -1 must be 0")
+    assert run_error({**VALID, "budget_mb": -1}).startswith("budget_mb: -1 is below its minimum (give 0 or more)")
 
 
 def test_valid_inputs_pass():

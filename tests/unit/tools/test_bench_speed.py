@@ -10,7 +10,8 @@ import torch
 from sdopt.errors import UserError
 
 from sdopt.measure.profiler import MEMORY_RAM
-from sdopt.tools import bench_speed, doctor
+from sdopt.nodes import checks
+from sdopt.tools import bench_speed
 from sdopt.tools.bench_speed import (
     COMPILER_CACHE_VARIABLES,
     IMAGE_TOLERANCE,
@@ -50,15 +51,15 @@ def test_a_stale_weight_image_is_out_of_the_shipped_tolerance():
 
 def test_inductor_is_warmed_by_a_real_tiny_compile_or_says_it_could_not(monkeypatch):
     compiled = []
-    real = doctor.compile_trial
-    monkeypatch.setattr(doctor, "compile_trial", lambda device: compiled.append(device) or real(device))
+    real = checks.compile_trial
+    monkeypatch.setattr(checks, "compile_trial", lambda device: compiled.append(device) or real(device))
     seconds = warm_inductor(torch.device("cpu"))
     assert compiled == [torch.device("cpu")] and seconds > 0
 
     def no_compiler(device):
         raise RuntimeError("no C++ compiler")
 
-    monkeypatch.setattr(doctor, "compile_trial", no_compiler)
+    monkeypatch.setattr(checks, "compile_trial", no_compiler)
     assert warm_inductor(torch.device("cpu")) is None
 
 

@@ -8,6 +8,8 @@ import torch
 
 from sdopt.errors import UserError
 from sdopt.tools import bench_suite
+from sdopt.tools.bench_suite import child, runner
+from sdopt.tools.bench_suite import phases as suite_phases
 from sdopt.tools.bench_suite import (
     DONE, FAILED, PHASE_LIMIT_S, SKIPPED, SUITE_LIMIT_S, TIMED_OUT, Phase, check_budget, over_budget, plan_phases, run_suite,
     select, write_archive, write_suite,
@@ -16,7 +18,7 @@ from sdopt.tools.bench_suite import (
 
 @pytest.fixture
 def sdxl_known(monkeypatch):
-    monkeypatch.setattr(bench_suite, "_sdxl_known", lambda model: True)
+    monkeypatch.setattr(suite_phases, "_sdxl_known", lambda model: True)
 
 
 def by_name(phases):
@@ -62,7 +64,7 @@ def test_the_budget_check_refuses_a_long_phase_or_a_long_suite():
 
 
 def test_the_sdxl_phase_waits_for_its_model(monkeypatch):
-    monkeypatch.setattr(bench_suite, "_sdxl_known", lambda model: False)
+    monkeypatch.setattr(suite_phases, "_sdxl_known", lambda model: False)
     sdxl = by_name(plan_phases(sdxl_model="sdxl-full"))["speed-sdxl"]
     assert sdxl.skip.startswith("bench speed has no sdxl-full model yet")
 
@@ -126,7 +128,7 @@ def test_a_failing_or_late_phase_keeps_the_phases_before_it(tmp_path):
 
 
 def test_a_phase_past_its_time_limit_is_stopped(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_suite, "DRY_PHASE_LIMIT_S", 0.2)
+    monkeypatch.setattr(runner, "DRY_PHASE_LIMIT_S", 0.2)
     slow = Phase(2, "doctor", "doctor", "run_doctor", 45, {"comfyui": None})
     (outcome,) = run_suite(tmp_path, [slow], dry_run=True)
     assert outcome.status == TIMED_OUT and "0 s, its time limit" in outcome.error
@@ -134,7 +136,7 @@ def test_a_phase_past_its_time_limit_is_stopped(tmp_path, monkeypatch):
 
 
 def test_a_stopped_phase_keeps_the_rows_it_finished(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_suite, "DRY_PHASE_LIMIT_S", 0.2)
+    monkeypatch.setattr(runner, "DRY_PHASE_LIMIT_S", 0.2)
     slow = Phase(8, "res-8gib", "res", "run_doctor", 240, {"comfyui": None})
     bench_suite.write_phase(tmp_path, slow, {"rows": [{"size": 1024}], "skipped": [], "markdown": "| 1024² | done |", "plots": [],
                                              "status": bench_suite.PARTIAL}, 5.0)
@@ -163,7 +165,7 @@ def test_the_index_keeps_phases_of_earlier_runs(tmp_path):
 
 def test_vae_phase_retries_the_injected_out_of_memory_error(tmp_path):
     phase = by_name(plan_phases(dry_run=True))["vae"]
-    result = bench_suite.run_vae(tmp_path, replace_options(phase, sizes=[128]))
+    result = child.run_vae(tmp_path, replace_options(phase, sizes=[128]))
     rows = {row["mode"]: row for row in result["rows"]}
     assert set(rows) == {"untiled", "tiled", "tiled + injected OOM"}
     retried = rows["tiled + injected OOM"]
@@ -175,7 +177,7 @@ def test_vae_phase_retries_the_injected_out_of_memory_error(tmp_path):
 
 def test_vae_phase_skips_the_injected_error_where_the_tile_is_already_the_last_resort(tmp_path):
     phase = by_name(plan_phases(dry_run=True))["vae"]
-    result = bench_suite.run_vae(tmp_path, replace_options(phase, sizes=[128], budget_mb=1))
+    result = child.run_vae(tmp_path, replace_options(phase, sizes=[128], budget_mb=1))
     assert [row["mode"] for row in result["rows"]] == ["untiled", "tiled"]
     (skip,) = result["skipped"]
     assert skip["what"] == "tiled + injected OOM 128²" and "last resort" in skip["why"] and "nothing smaller to retry" in skip["why"]
@@ -183,7 +185,7 @@ def test_vae_phase_skips_the_injected_error_where_the_tile_is_already_the_last_r
 
 def test_injected_oom_raises_as_often_as_asked():
     layer = torch.nn.Linear(2, 2)
-    hook = bench_suite.InjectedOOM(layer, times=1)
+    hook = child.InjectedOOM(layer, times=1)
     with pytest.raises(torch.OutOfMemoryError, match="injected"):
         layer(torch.ones(1, 2))
     layer(torch.ones(1, 2))

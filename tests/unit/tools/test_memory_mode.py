@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sdopt.errors import UserError
+from sdopt.nodes.environment import NO_AIMDO, NO_CUDA, NOT_OFFERED, server_would_start
 from sdopt.tools import memory_mode
 from sdopt.tools.memory_mode import AUTO, CLASSIC, DYNAMIC, MemoryModeStart
 
@@ -180,15 +181,15 @@ def test_the_mode_asked_for(monkeypatch):
 
 def test_what_a_server_would_do_here_is_the_same_decision(comfy, monkeypatch):
     """``sdopt doctor`` asks without starting anything: the reasons are auto's."""
-    assert memory_mode.server_would_start(cuda=True) == (True, "")
-    assert memory_mode.server_would_start(cuda=False) == (False, memory_mode.NO_CUDA)
+    assert server_would_start(cuda=True) == (True, "")
+    assert server_would_start(cuda=False) == (False, NO_CUDA)
     comfy.mm.torch_version_numeric = (2, 7)
-    kept_off = memory_mode.server_would_start(cuda=True)
+    kept_off = server_would_start(cuda=True)
     assert comfy.aimdo.init_calls == [], "nothing was started by asking"
     assert kept_off == (False, _start(AUTO).why)
     monkeypatch.setitem(sys.modules, "comfy_aimdo", None)
-    assert memory_mode.server_would_start(cuda=True) == (False, memory_mode.NO_AIMDO)
+    assert server_would_start(cuda=True) == (False, NO_AIMDO)
     comfy.args.novram = True
-    assert memory_mode.server_would_start(cuda=True)[1].startswith("off by ComfyUI's settings")
+    assert server_would_start(cuda=True)[1].startswith("off by ComfyUI's settings")
     del comfy.cli_args.enables_dynamic_vram
-    assert memory_mode.server_would_start(cuda=True) == (None, memory_mode.NOT_OFFERED)
+    assert server_would_start(cuda=True) == (None, NOT_OFFERED)

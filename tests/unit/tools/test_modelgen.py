@@ -749,7 +749,7 @@ def test_failed_write_leaves_the_previous_file_and_no_temp(tmp_path, monkeypatch
             raise RuntimeError("simulated failure")
         return real_generate(*args, **kwargs)
 
-    monkeypatch.setattr(modelgen, "generate_tensor", failing_generate)
+    monkeypatch.setattr(modelgen.files, "generate_tensor", failing_generate)  # where the writer looks it up
     with pytest.raises(RuntimeError, match="simulated"):
         write_checkpoint("tiny", out)
     assert out.read_bytes() == b"previous"

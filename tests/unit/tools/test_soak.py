@@ -10,9 +10,11 @@ import pytest
 from sdopt.nodes.registry import NODE_CLASS_MAPPINGS
 from sdopt.tools.cli import build_parser, main
 from sdopt.tools.soak import (
-    GROUPS, LORA, PROFILER, REPORT, SOAK_NODES, SUCCESS, PromptOutcome, SoakModel, SoakResult, _rejection, drift, history_error,
-    plan_prompt, probe_prompt, problems, reading_points,
+    GROUPS, LORA, PROFILER, REPORT, SOAK_NODES, SUCCESS, PromptOutcome, SoakModel, SoakResult, drift, history_error, plan_prompt,
+    probe_prompt, problems, reading_points,
 )
+from sdopt.tools.soak import run as soak_run
+from sdopt.tools.soak.server import _rejection, server_env
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHECKPOINTS = {"sdopt-mini-sd15.safetensors": SoakModel("sdopt-soak-mini-lora.safetensors")}
@@ -165,8 +167,6 @@ def test_rss_is_read_after_the_warm_up_every_ten_prompts_and_at_the_end():
 
 
 def test_each_reading_follows_the_probe_a_collection_and_two_cached_probes(monkeypatch):
-    import sdopt.tools.soak as soak_module
-
     events = []
     probe = probe_prompt("sdopt-mini-sd15.safetensors")
 
@@ -190,10 +190,10 @@ def test_each_reading_follows_the_probe_a_collection_and_two_cached_probes(monke
         events.append("read")
         return 2**30
 
-    monkeypatch.setattr(soak_module, "rss_bytes", read)
+    monkeypatch.setattr(soak_run, "rss_bytes", read)  # where _run_prompts looks it up
     result = SoakResult(seed=0, prompts=3, warmup=1)
     server = Server()
-    soak_module._run_prompts(server, server, result, CHECKPOINTS, probe, 1.0, lambda line: None)
+    soak_run._run_prompts(server, server, result, CHECKPOINTS, probe, 1.0, lambda line: None)
     reading = ["probe", "collect", "probe", "probe", "read"]
     each_prompt = ["prompt", "read"]  # and the RSS its line shows
     assert events == [*each_prompt, *reading, *each_prompt, *each_prompt, *reading]
@@ -260,10 +260,8 @@ def test_step_cache_draws_both_modes():
 
 
 def test_the_server_holds_glibc_s_mmap_threshold_unless_the_caller_set_one(tmp_path, monkeypatch):
-    from sdopt.tools.soak import _server_env
-
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
-    env = _server_env(tmp_path)
+    env = server_env(tmp_path)
     assert env["MALLOC_MMAP_THRESHOLD_"] == str(128 * 1024) and env["SDOPT_CACHE_DIR"].startswith(str(tmp_path))
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
-    assert _server_env(tmp_path)["MALLOC_MMAP_THRESHOLD_"] == "4194304"
+    assert server_env(tmp_path)["MALLOC_MMAP_THRESHOLD_"] == "4194304"

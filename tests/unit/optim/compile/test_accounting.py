@@ -21,7 +21,7 @@ def test_a_graph_break_and_the_function_torch_gave_up_on_are_named_with_reason_a
     ((reason, functions),) = stats.graph_breaks.items()
     assert "`open`" in reason and "\n" not in reason
     assert functions[0].startswith("reads_a_file (support.py:"), "the function with the untraceable call comes first"
-    assert not any(name.startswith("forward (forward.py") for name in functions), "sdopt's own wrapper is not named"
+    assert not any(name.startswith("forward (modes.py") for name in functions), "sdopt's own wrapper is not named"
     assert any(gave_up.function.startswith("reads_a_file") for gave_up in stats.gave_up.values()), stats.gave_up
     details = "; ".join(stats.details())
     assert f"graph break ({reason}) in reads_a_file" in details and accounting.GRAPH_BREAK_FIX in details
