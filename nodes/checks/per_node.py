@@ -115,7 +115,7 @@ def _vae_attention_row(ctx: Context) -> CheckRow:
 
 
 def _compile_row(ctx: Context) -> CheckRow:
-    from ...optim.compile import BACKENDS, CompileConfig, unavailable
+    from ...optim.compile import BACKENDS, MODE_OBJECTS, CompileConfig, unavailable
 
     backends, cannot, fixes = [], {}, []
     inductor_failed = _trial_failed(ctx, "inductor")
@@ -129,8 +129,9 @@ def _compile_row(ctx: Context) -> CheckRow:
             fixes.append("see the inductor row's fix")
         else:
             backends.append(backend)
-    runs = [f"compile and compile_regional with {', '.join(backends)}"] if backends else []
-    runs.append("trace")
+    by_backend = [mode.name for mode in MODE_OBJECTS.values() if mode.compiles_with_dynamo]
+    runs = [f"{' and '.join(by_backend)} with {', '.join(backends)}"] if backends else []
+    runs += [mode.name for mode in MODE_OBJECTS.values() if not mode.compiles_with_dynamo]
     return _node_row("sdopt Compile", runs, cannot, "; ".join(dict.fromkeys(fixes)),
                      "optim.compile.unavailable for every backend, and the inductor trial")
 

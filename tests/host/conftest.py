@@ -11,7 +11,7 @@ once per family; ``sdxl_checkpoint`` is the SDXL file's path, for workflows and 
 ComfyUI imports the pack under a module name of its own, so module state (the prompt logs in
 ``nodes.prompt_context``, the profiler's active run, the report node's last figures, the ``UserError``
 class) lives in that copy: tests reach it through ``comfy_host.pack("nodes.prompt_context")`` (or
-``comfy_host.glue``, ``.prompt_context``, ``.fast_path``), never through the ``sdopt`` they import.
+``comfy_host.patching``, ``.environment``, ``.prompt_context``, ``.fast_path``), never through the ``sdopt`` they import.
 """
 import copy
 import os
@@ -92,6 +92,11 @@ def _unloadable_reason(checkpoint: Path) -> str | None:
     return None
 
 
+def _pack_module(name: str) -> property:
+    """A ``ComfyHostFixture`` property: the pack's module ``name`` as ComfyUI loaded it (``pack(name)``)."""
+    return property(lambda self: self.pack(name), doc=f"The pack's ``{name}`` as ComfyUI loaded it.")
+
+
 class ComfyHostFixture:
     """The booted ComfyUI host plus one family's generated mini checkpoint, and the helpers host tests
     share (test modules cannot import conftest under ``--import-mode=importlib``). ``family(name)``
@@ -159,20 +164,13 @@ class ComfyHostFixture:
         self.host.release()
 
     def pack(self, name: str):
-        """Module ``name`` (e.g. ``"nodes.glue"``) of the pack as ComfyUI loaded it."""
+        """Module ``name`` (e.g. ``"nodes.patching"``) of the pack as ComfyUI loaded it."""
         return self.host.pack(name)
 
-    @property
-    def glue(self):
-        return self.pack("nodes.glue")
-
-    @property
-    def prompt_context(self):
-        return self.pack("nodes.prompt_context")
-
-    @property
-    def fast_path(self):
-        return self.pack("nodes.fast_path")
+    patching = _pack_module("nodes.patching")
+    environment = _pack_module("nodes.environment")
+    prompt_context = _pack_module("nodes.prompt_context")
+    fast_path = _pack_module("nodes.fast_path")
 
     @cached_property
     def _conds(self):
@@ -294,28 +292,25 @@ def comfy_host(tmp_path_factory):
     fixture.release()
 
 
-@pytest.fixture(params=HOST_FAMILIES)
-def family_host(request, comfy_host):
-    """``comfy_host`` on each family's mini checkpoint in turn: a test that takes it runs once per family."""
-    return comfy_host.family(request.param)
+def _hosts(name: str, families: tuple[str, ...], doc: str):
+    """A fixture ``name`` that gives ``comfy_host`` on each of ``families``' mini checkpoints in turn."""
+    def fixture(request, comfy_host):
+        return comfy_host.family(request.param)
+
+    fixture.__name__, fixture.__doc__ = name, doc
+    return pytest.fixture(params=families, name=name)(fixture)
 
 
-@pytest.fixture(params=LEAN_FAMILIES)
-def lean_host(request, comfy_host):
-    """``comfy_host`` on each family's mini checkpoint but Flux's (see LEAN_FAMILIES)."""
-    return comfy_host.family(request.param)
+family_host = _hosts("family_host", HOST_FAMILIES, "``comfy_host`` on each family's mini checkpoint in turn: a test that takes it runs once per family.")
+lean_host = _hosts("lean_host", LEAN_FAMILIES, "``comfy_host`` on each family's mini checkpoint but Flux's (see LEAN_FAMILIES).")
+unet_host = _hosts("unet_host", UNET_FAMILIES, "``comfy_host`` on each UNet family's mini checkpoint (SD1.5, SDXL) in turn.")
+dit_host = _hosts("dit_host", DIT_FAMILIES, "``comfy_host`` on each diffusion transformer's mini checkpoint (SD3.5, Flux) in turn.")
 
 
-@pytest.fixture(params=UNET_FAMILIES)
-def unet_host(request, comfy_host):
-    """``comfy_host`` on each UNet family's mini checkpoint (SD1.5, SDXL) in turn."""
-    return comfy_host.family(request.param)
-
-
-@pytest.fixture(params=DIT_FAMILIES)
-def dit_host(request, comfy_host):
-    """``comfy_host`` on each diffusion transformer's mini checkpoint (SD3.5, Flux) in turn."""
-    return comfy_host.family(request.param)
+@pytest.fixture(scope="module")
+def checkpoint(comfy_host):
+    """(model, clip, vae) of the SD1.5 mini checkpoint, shared like ComfyUI's cache shares them."""
+    return comfy_host.load_checkpoint()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ import torch
 
 from sdopt.optim.precision import compute_supported, dtype_name
 
+from ..numerics import rel_err, stored_dtypes
+
 NODE = "SDOptPrecision"
 # Relative L2 error of the sampled latent against the fp32 model's. A half-precision case may also
 # reach COMFY_BF16_FACTOR x the error of ComfyUI's own bf16 (the checkpoint loaded with bf16 weights,
@@ -23,31 +25,18 @@ FP8_MATMUL_REL_TOL = REL_TOL["fp8_e4m3fn"]
 COMFY_BF16_FACTOR = 1.25
 
 
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def stored_dtypes(module):
-    return {p.dtype for p in module.parameters()}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(comfy_host):
-    return comfy_host.load_checkpoint()
-
-
 @pytest.fixture(scope="module")
 def device(checkpoint):
     return checkpoint[0].load_device
 
 
 @pytest.fixture(scope="module")
-def glue(comfy_host):
-    return comfy_host.glue
+def patching(comfy_host):
+    return comfy_host.patching
 
 
-def precision_records(glue, model) -> list[dict]:
-    return [r for r in glue.model_records(model.model_options) if r["node"] == NODE]
+def precision_records(patching, model) -> list[dict]:
+    return [r for r in patching.model_records(model.model_options) if r["node"] == NODE]
 
 
 def _tf32_flags():
@@ -103,7 +92,7 @@ def _comfy_bf16(host):
 
 
 @pytest.fixture(scope="module", params=["sd15", "sdxl", "sd35"])
-def runs(comfy_host, device, glue, request):
+def runs(comfy_host, device, patching, request):
     """Sample one family's mini model with the original, every patched clone, then the original again."""
     host = comfy_host.family(request.param)
     model = host.load_checkpoint()[0]
@@ -152,7 +141,7 @@ def test_flux_in_bf16_equals_comfyuis_own_bf16_bitwise_and_leaves_the_model_alon
     assert torch.equal(host.sample(model), reference), "the model the node was given must be unchanged"
 
 
-def test_auto_keeps_weights_loaded_in_fp8_and_computes_in_its_pick_also_after_another_precision_node(comfy_host, glue):
+def test_auto_keeps_weights_loaded_in_fp8_and_computes_in_its_pick_also_after_another_precision_node(comfy_host, patching):
     """A model ComfyUI loaded in fp8 (Load Diffusion Model's weight_dtype, or an fp8 checkpoint, which ComfyUI
     keeps in fp8 where fp16 weights would not fit): auto's pick (bf16 or fp32 here) would double or quadruple
     its weights, so it keeps them and only computes in the pick, exactly as ComfyUI's own compute dtype
@@ -164,7 +153,7 @@ def test_auto_keeps_weights_loaded_in_fp8_and_computes_in_its_pick_also_after_an
     reference = comfy_host.sample(model)
     node = comfy_host.nodes[NODE]()
     (auto,) = node.patch(model, "auto", "default", False, False)
-    (record,) = precision_records(glue, auto)
+    (record,) = precision_records(patching, auto)
     pick = record["active"].split("compute=")[1]
     assert auto.model is model.model, "no converted copy"
     assert record["active"] == f"weight=fp8_e4m3fn, compute={pick}" and pick in ("bf16", "fp32")
@@ -178,19 +167,19 @@ def test_auto_keeps_weights_loaded_in_fp8_and_computes_in_its_pick_also_after_an
     assert torch.equal(comfy_host.sample(model), reference), "the model the node was given must be unchanged"
 
 
-def test_auto_on_cuda_takes_the_half_dtype_the_models_comfyui_config_prefers(comfy_host, glue, monkeypatch):
+def test_auto_on_cuda_takes_the_half_dtype_the_models_comfyui_config_prefers(comfy_host, patching, monkeypatch):
     """Flux's config lists bf16 first (its activations overflow fp16 on trained weights), SD1.5's fp16;
     the node reads the list from the loaded model. CUDA's dtype support is faked: no GPU here."""
     precision = comfy_host.pack("optim.precision")
     monkeypatch.setattr(precision, "compute_supported", lambda dtype, device: True)
     picks = {}
     for family in ("sd15", "flux"):
-        allowed = glue.inference_dtypes(comfy_host.family(family).load_checkpoint()[0])
+        allowed = comfy_host.environment.inference_dtypes(comfy_host.family(family).load_checkpoint()[0])
         picks[family] = precision.pick_dtype("cuda", allowed).dtype
     assert picks == {"sd15": torch.float16, "flux": torch.bfloat16}
 
 
-def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs, glue):
+def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs, patching):
     model, original = runs["model"], runs["original"]
     assert torch.isfinite(runs["reference"]).all()
     assert torch.equal(runs["reference"], runs["again"])
@@ -200,7 +189,7 @@ def test_original_model_is_bit_identical_after_the_patched_clones_ran(runs, glue
     assert model.get_model_object("manual_cast_dtype") == original["manual_cast"]
     assert {kind: dict(keys) for kind, keys in model.wrappers.items()} == original["wrappers"]
     assert set(model.model_options) == original["options"]
-    assert glue.RECORDS_KEY not in model.model_options, "records go on the clones only"
+    assert patching.RECORDS_KEY not in model.model_options, "records go on the clones only"
 
 
 @pytest.mark.parametrize("case", range(3))
@@ -264,13 +253,13 @@ def test_channels_last_alone_copies_the_weights_channels_last_in_their_dtype(run
     assert rel_err(result["out"], runs["reference"]) < REL_TOL[dtype_name(model.model_dtype())]
 
 
-def test_each_patched_clone_has_one_record_saying_what_is_active(runs, glue, device):
+def test_each_patched_clone_has_one_record_saying_what_is_active(runs, patching, device):
     loaded = dtype_name(runs["model"].model_dtype())
     cpu_tf32 = f"tf32 has no effect on {torch.device(device).type}"
 
     fp8 = _result(runs, "fp8_e4m3fn")
     compute = fp8["inputs"]["compute_dtype"]
-    (record,) = glue.model_records(fp8["model"].model_options)
+    (record,) = patching.model_records(fp8["model"].model_options)
     assert record["node"] == NODE
     assert record["requested"] == f"weight=fp8_e4m3fn, compute={compute}, tf32=on, channels_last=off"
     assert record["active"] == f"weight=fp8_e4m3fn, compute={compute}, tf32"
@@ -278,18 +267,18 @@ def test_each_patched_clone_has_one_record_saying_what_is_active(runs, glue, dev
     assert (cpu_tf32 in record["note"]) == (torch.device(device).type != "cuda")
 
     half = _half(runs)
-    (record,) = glue.model_records(half["model"].model_options)
+    (record,) = patching.model_records(half["model"].model_options)
     assert record["requested"] == f"weight=default, compute={half['inputs']['compute_dtype']}, tf32=on, channels_last=off"
     assert record["active"] == f"weight={loaded}, compute={half['inputs']['compute_dtype']}, tf32"
     assert "private copy" not in record["note"]
 
-    (record,) = glue.model_records(_result(runs, "channels_last alone")["model"].model_options)
+    (record,) = patching.model_records(_result(runs, "channels_last alone")["model"].model_options)
     assert record["active"] == f"weight={loaded}, compute={loaded}, channels_last"
     assert "conv weights channels-last, in a private copy" in record["note"]
     few_convs = sum(p.ndim == 4 for p in runs["model"].model.diffusion_model.parameters()) < 2
     assert ("almost no convolutions" in record["short"]) == few_convs
 
-    (record,) = glue.model_records(_result(runs, "bf16 weights")["model"].model_options)
+    (record,) = patching.model_records(_result(runs, "bf16 weights")["model"].model_options)
     assert record["requested"] == "weight=bf16, compute=default, tf32=off, channels_last=on"
     assert record["active"] == "weight=bf16, compute=bf16, channels_last"
     assert "tf32" not in record["note"] and "conv weights channels-last" in record["note"]
@@ -326,7 +315,7 @@ def sd15_reference(comfy_host, checkpoint):
 
 
 @pytest.mark.parametrize("chain", list(FIRST_SECOND))
-def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint, sd15_reference, glue, chain):
+def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint, sd15_reference, patching, chain):
     first_inputs, second_inputs, first_wrappers, second_wrappers = FIRST_SECOND[chain]
     model, node = checkpoint[0], comfy_host.nodes[NODE]()
     (first,) = node.patch(model, **first_inputs)
@@ -334,8 +323,8 @@ def test_chained_nodes_end_with_the_second_ones_settings(comfy_host, checkpoint,
 
     assert comfy_host.wrapper_counts(first, NODE) == first_wrappers
     assert comfy_host.wrapper_counts(second, NODE) == second_wrappers, "one set of sdopt wrappers: the second node's"
-    (first_record,) = precision_records(glue, first)
-    (record,) = precision_records(glue, second)
+    (first_record,) = precision_records(patching, first)
+    (record,) = precision_records(patching, second)
     tf32, channels_last = ("on" if second_inputs[k] else "off" for k in ("tf32", "channels_last"))
     assert record["requested"] == f"weight={second_inputs['weight_dtype']}, compute=default, tf32={tf32}, channels_last={channels_last}"
     assert first_record["requested"].startswith(f"weight={first_inputs['weight_dtype']},"), "the first clone keeps its own record"
@@ -382,15 +371,15 @@ def test_weight_dtype_is_auto_by_default_and_offers_every_dtype(comfy_host):
     assert spec["default"] == "auto"
 
 
-def test_auto_records_what_it_picked_and_why(comfy_host, device, runs, glue):
+def test_auto_records_what_it_picked_and_why(comfy_host, device, runs, patching):
     precision = comfy_host.pack("optim.precision")
     model = runs["model"]
     (patched,) = comfy_host.nodes[NODE]().patch(model, "auto", "default", False, False)
-    allowed = glue.inference_dtypes(model)
+    allowed = comfy_host.environment.inference_dtypes(model)
     pick = precision.pick_dtype(device, allowed)  # cached: the pick the node made
     picked = dtype_name(pick.dtype)
 
-    (record,) = glue.model_records(patched.model_options)
+    (record,) = patching.model_records(patched.model_options)
     assert record["requested"] == "weight=auto, compute=default, tf32=off, channels_last=off"
     assert record["active"] == f"weight={picked}, compute={picked}"
     assert record["note"].startswith(f"auto: {pick.reason}")
@@ -448,7 +437,7 @@ def test_fp8_matmul_multiplies_the_linears_in_fp8_near_the_upcast_fp8_model_and_
     node = host.nodes[NODE]()
     upcast = node.patch(model, "fp8_e4m3fn", "fp32", False, False)[0]
     fp8 = node.patch(model, "fp8_e4m3fn", "fp8_matmul", False, False)[0]
-    (record,) = host.glue.model_records(fp8.model_options)
+    (record,) = host.patching.model_records(fp8.model_options)
     assert record["active"] == "weight=fp8_e4m3fn, compute=fp8_matmul+fp32"
     assert re.search(r"fp8 matmuls: (\d+) of \1 Linear layers through torch._scaled_mm's fp32 emulation \(a CPU has no fp8 unit\)", record["note"]), record["note"]
     out = host.sample(fp8)

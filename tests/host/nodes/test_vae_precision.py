@@ -11,6 +11,8 @@ import torch
 
 from sdopt.optim.precision import dtype_name
 
+from ..numerics import rel_err, stored_dtypes
+
 NODE = "SDOptVAEPrecision"
 # A decode of the mini VAE in bf16, and the guard's redo of an overflowing fp16 decode.
 VAE_REL_TOL = 0.03
@@ -20,19 +22,6 @@ BF16_MIN_REL_ERR = 1e-3
 VAE_LATENT = 4
 # Where decoder.conv_in's largest output lands after scaling: past fp16's 65504.
 OVERFLOW_TARGET = 3e5
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def stored_dtypes(module):
-    return {p.dtype for p in module.parameters()}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(comfy_host):
-    return comfy_host.load_checkpoint()
 
 
 @pytest.fixture(scope="module")
