@@ -142,7 +142,7 @@ class CompileMember(fast_path.ChainMember):
         details = [line for s in stats for line in s.details()]
         note = "; ".join(filter(None, [path.notes.get(NODE, str)(), *details, warm,
                                        f"cache: {state.cache_saved}" if state.cache_saved else "", layout, eager.note]))
-        active = f"{config.settings()}: " + " | ".join(s.summary() for s in stats)
+        active = f"{config.settings()}: " + (" | ".join(s.summary() for s in stats) or "no call ran compiled")
         short = "; ".join(dict.fromkeys(filter(None, [*(s.shortfall() for s in stats), eager.short])))
         return active, note, short
 

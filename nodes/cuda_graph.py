@@ -27,7 +27,7 @@ class GraphMember(fast_path.ChainMember):
         return fast_path.Warmup("capture", part.stats.captures, part.stats.capture_seconds)
 
     def record(self, path, config, state, parts, eager):
-        return "CUDA graph: " + " | ".join(part.stats.summary() for part in parts), eager.note, eager.short
+        return "CUDA graph: " + (" | ".join(part.stats.summary() for part in parts) or "no call ran from a graph"), eager.note, eager.short
 
 
 CHAIN_MEMBER = GraphMember()

@@ -23,10 +23,18 @@ from .unet_blocks import comfy_unet_blocks
 
 NODE = "SDOptStepCache"
 QUALITY_NOTE = "reuses deep features between full calls: its image differs from the uncached one; measure it (bench speed's cache rungs)"
-FIRST_BLOCK_NOTE = ("skips the blocks after the first where the first block's change moved less than the threshold: its image "
-                    "differs from the uncached one; measure it (bench speed's cache rungs); sdopt Compile runs beside it in "
-                    "compile_regional mode, whole-model compile and CUDA Graph run eager")
+FIRST_BLOCK_QUALITY_NOTE = ("skips the blocks after the first where the first block's change moved less than the threshold: its "
+                            "image differs from the uncached one; measure it (bench speed's cache rungs)")
+FIRST_BLOCK_COMPOSES = "sdopt Compile runs beside it in compile_regional mode, whole-model compile and CUDA Graph run eager"
 _APPLY_MODEL_INPUTS = ("x", "t", "c_concat", "c_crossattn", "control", "transformer_options")
+
+
+def quality_note(config: StepCacheConfig) -> str:
+    """What the record says of the image: that it differs from the uncached one, unless the settings reuse nothing."""
+    if config.reuses_nothing:
+        setting = f"interval {config.interval}" if config.mode != FIRST_BLOCK else f"threshold {config.threshold}"
+        return f"{setting} reuses nothing: every call runs whole, so its image is the uncached one"
+    return FIRST_BLOCK_QUALITY_NOTE if config.mode == FIRST_BLOCK else QUALITY_NOTE
 
 
 FULL_STEP, SHALLOW_STEP = "full", "shallow"
@@ -120,8 +128,8 @@ class SDOptStepCache(PatchNode):
             return (_first_block_clone(model, config, requested, problem, on_unavailable, groups),)
         m, path_note = fast_path.fast_path_clone(model, CHAIN_MEMBER, requested, problem, on_unavailable, config)
         if path_note is not None:
-            fast_path.fast_path_of(m).notes[NODE] = lambda: QUALITY_NOTE
-            patching.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, QUALITY_NOTE])))
+            fast_path.fast_path_of(m).notes[NODE] = lambda: quality_note(config)
+            patching.record_model(m, NODE, requested, config.settings(), "; ".join(filter(None, [path_note, quality_note(config)])))
         return (m,)
 
 
@@ -154,6 +162,7 @@ def _first_block_clone(model, config: StepCacheConfig, requested: str, problem, 
         patching.record_model(m, NODE, requested, "uncached", f"{fallback}; running uncached", f"runs uncached: {fallback}")
         return m
     cache = FirstBlockCache(config, groups, compared="img")
+    first_block_note = f"{quality_note(config)}; {FIRST_BLOCK_COMPOSES}"
     earlier = _dit_patches(m)
     for name, count in groups:
         for index in range(count):
@@ -176,14 +185,14 @@ def _first_block_clone(model, config: StepCacheConfig, requested: str, problem, 
         try:
             return executor(*args, **kwargs)
         finally:
-            patching.record_in_run(NODE, requested, f"{config.settings()}: {cache.stats.summary()}", FIRST_BLOCK_NOTE,
+            patching.record_in_run(NODE, requested, f"{config.settings()}: {cache.stats.summary()}", first_block_note,
                                cache.stats.shortfall())
             cache.release()
 
     # SAMPLER_SAMPLE runs inside every OUTER_SAMPLE wrapper, so the profiler's run is open there
     patching.set_wrappers(m, NODE, {"APPLY_MODEL": begin_call, "SAMPLER_SAMPLE": record_after_sampling})
     blocks = ", ".join(f"{count} {name}s" for name, count in groups)
-    patching.record_model(m, NODE, requested, config.settings(), f"{blocks}; {FIRST_BLOCK_NOTE}")
+    patching.record_model(m, NODE, requested, config.settings(), f"{blocks}; {first_block_note}")
     return m
 
 

@@ -62,6 +62,12 @@ class StepCacheConfig:
             raise UserError(problem)
 
     @property
+    def reuses_nothing(self) -> bool:
+        """Whether these settings ask for no reuse at all (interval 1, threshold 0): every call runs whole,
+        and the image is the uncached one."""
+        return self.interval == 1 if self.mode == DEEPCACHE else self.threshold == 0.0
+
+    @property
     def bounded(self) -> bool:
         """Whether the schedule's position matters (a start or end other than the whole run)."""
         return self.start > 0.0 or self.end < 1.0
@@ -157,6 +163,7 @@ class StepCacheStats:
     full_reasons: Counter = field(default_factory=Counter)
     ran: str = "ran the whole UNet"
     reused: str = "reused deep features"
+    asked_to_reuse: bool = True  # False where the settings reuse nothing: no reuse is then no shortfall
 
     def summary(self) -> str:
         calls = self.full_calls + self.reused_calls
@@ -166,7 +173,7 @@ class StepCacheStats:
 
     def shortfall(self) -> str:
         """What the cache did less than asked, or ''."""
-        if self.full_calls and not self.reused_calls:
+        if self.asked_to_reuse and self.full_calls and not self.reused_calls:
             return "reused nothing: " + ", ".join(f"{reason} ({n}x)" for reason, n in self.full_reasons.items())
         return ""
 
@@ -188,13 +195,13 @@ class CacheSchedule:
 
     def __init__(self, config: StepCacheConfig):
         self.config = config
-        self.stats = StepCacheStats()
+        self.stats = StepCacheStats(asked_to_reuse=not config.reuses_nothing)
         self._kept: dict[Hashable, tuple[Any, torch.Tensor]] = {}
         self._since_full: dict[Hashable, int] = {}
 
     def reset(self) -> None:
         self.release()
-        self.stats = StepCacheStats()
+        self.stats = StepCacheStats(asked_to_reuse=not self.config.reuses_nothing)
 
     def release(self) -> None:
         """Drop the kept features (the run's ``stats`` stay until the next ``reset``)."""
@@ -269,9 +276,9 @@ class FirstBlockCache:
         self._skipping = False
         self._entries: dict[str, Tensors] = {}
 
-    @staticmethod
-    def _new_stats() -> StepCacheStats:
-        return StepCacheStats(ran="ran every block", reused="skipped the blocks after the first")
+    def _new_stats(self) -> StepCacheStats:
+        return StepCacheStats(ran="ran every block", reused="skipped the blocks after the first",
+                              asked_to_reuse=not self.config.reuses_nothing)
 
     def reset(self) -> None:
         self._kept.clear()

@@ -482,3 +482,19 @@ def test_regional_compile_leaves_a_blocks_place_out_only_where_nothing_in_the_ca
         "another pack's override may read the place"
     assert positionless_block_options(FLUX, {}) is None, "a family whose blocks never read their place"
     assert positionless_block_options(None, {}) is None, "a family sdopt does not know"
+
+
+def test_a_compile_and_graph_record_with_no_call_through_the_chain_says_so_in_its_summary(patcher_extension):
+    from sdopt.families import SD15 as SD15_FAMILY
+    from sdopt.optim.compile import CompileConfig
+    from sdopt.optim.cuda_graph import GraphConfig
+
+    fast_path = FastPath({COMPILE: CompileConfig("trace"), GRAPH: GraphConfig()}, environment.ModelFamily(SD15_FAMILY, "SD15"))
+    fast_path.requested = {"SDOptCompile": "trace", "SDOptCUDAGraph": "max_graphs=4"}
+    run = SamplingRun("r", "cpu")
+    with run.memory_scope():
+        fast_path.begin_run()
+        fast_path.end_run()
+    active = {r["node"]: r["active"] for r in run.optimizations}
+    assert active == {"SDOptCompile": "trace: no call ran compiled", "SDOptCUDAGraph": "CUDA graph: no call ran from a graph"}
+

@@ -39,13 +39,17 @@ def test_every_interval_th_call_runs_the_whole_unet():
     assert schedule.stats.summary() == "3 of 7 calls ran the whole UNet, 4 reused deep features"
 
 
-def test_interval_one_reuses_nothing_and_says_so():
-    schedule = CacheSchedule(StepCacheConfig(interval=1))
-    for _ in range(3):
-        if schedule.decide("k", SHAPES) is None:
-            schedule.keep("k", SHAPES, torch.zeros(1))
-    assert schedule.stats.reused_calls == 0
-    assert schedule.stats.shortfall().startswith("reused nothing: first call of its shapes in this run (1x), interval due (2x)")
+def test_interval_one_reuses_nothing_as_asked_and_a_larger_one_says_when_it_reused_nothing():
+    for interval, calls, shortfall in ((1, 3, ""), (3, 1, "reused nothing: first call of its shapes in this run (1x)")):
+        config = StepCacheConfig(interval=interval)
+        schedule = CacheSchedule(config)
+        for _ in range(calls):
+            if schedule.decide("k", SHAPES) is None:
+                schedule.keep("k", SHAPES, torch.zeros(1))
+        assert schedule.stats.reused_calls == 0 and config.reuses_nothing == (interval == 1)
+        assert schedule.stats.shortfall() == shortfall, "settings that ask for no reuse fall short of nothing"
+        schedule.reset()
+        assert schedule.stats.asked_to_reuse == (interval != 1), "a new run keeps what the settings ask"
 
 
 def test_each_key_keeps_its_own_features_as_sequential_cfg_and_multi_call_samplers_need():
@@ -243,7 +247,9 @@ def test_first_block_cache_threshold_zero_never_skips():
     with torch.no_grad():
         outs = [_toy_call(model, cache, img, txt) for _ in range(3)]
     assert all(torch.equal(out, model(img, txt)) for out in outs)
-    assert cache.stats.reused_calls == 0 and cache.stats.shortfall().startswith("reused nothing")
+    assert cache.stats.reused_calls == 0 and cache.stats.shortfall() == "", "threshold 0 asks for no reuse"
+    cache.reset()
+    assert not cache.stats.asked_to_reuse and StepCacheConfig(mode=FIRST_BLOCK, threshold=0.08).reuses_nothing is False
 
 
 def test_first_block_cache_keys_shapes_span_bypass_and_reset():
