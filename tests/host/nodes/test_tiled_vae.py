@@ -106,7 +106,7 @@ def test_validation_files_each_error_once_under_its_input(comfy_host, vae, tile,
     (100, 0, 0, "tile: 100 px is not a multiple of 8"),
     (256, 256, 0, "overlap: 256 px must be smaller than tile"),
     (256, 12, 0, "overlap: 12 px must be 0 or a positive multiple of 8"),
-    (256, 0, -1, "budget_mb: -1 must be 0"),
+    (256, 0, -1, "budget_mb: -1 is below its minimum"),
 ])
 def test_the_node_names_the_bad_input_when_it_runs(comfy_host, vae, tile, overlap, budget_mb, message):
     """Overlap (it needs tile) passes validation and fails here; linked values skip validation."""
