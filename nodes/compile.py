@@ -5,8 +5,8 @@ call runs eagerly and its second compiles (usually sampling step 1), and the pro
 its count, time, guard-failure reasons, graph breaks and the functions torch gave up on. Where
 ComfyUI's own attention breaks torch.compile's graph (on a CPU it asks psutil for free memory on
 every call) and no attention override is set, the node runs attention through sdopt's sdpa itself,
-so that the UNet compiles as one graph; an sdopt Attention node before or after it chooses the
-backend instead.
+so that the UNet compiles as one graph, and a trace freezes nothing computed from the moment's free
+memory; an sdopt Attention node before or after it chooses the backend instead.
 """
 import dataclasses
 import functools
@@ -53,7 +53,7 @@ def route_attention(m, config: CompileConfig) -> tuple[str, dict]:
     earlier = getattr(options.get(OVERRIDE_KEY), ROUTE_MARK, None)
     if earlier is not None:  # an earlier Compile node's route, still in force
         return earlier
-    if not config.kind.routes_attention or OVERRIDE_KEY in options or not hasattr(attention, "wrap_attn"):
+    if OVERRIDE_KEY in options or not hasattr(attention, "wrap_attn"):
         return "", {}
     host = attention.optimized_attention
     dtype = getattr(m.model, "manual_cast_dtype", None) or m.model_dtype()
@@ -67,7 +67,7 @@ def route_attention(m, config: CompileConfig) -> tuple[str, dict]:
             calls["eager"] += 1
 
     name = getattr(host, "__name__", "attention function")
-    note = (f"attention routed through sdopt's sdpa: ComfyUI's {name} breaks torch.compile's graph ({reasons[0]}); "
+    note = (f"attention routed through sdopt's sdpa: ComfyUI's {name} {config.kind.host_attention_cost} ({reasons[0]}); "
             "an sdopt Attention node before or after Compile picks another backend")
     override = comfy_attention_override(build_attention(AttentionConfig(backend="sdpa")), count)
     setattr(override, ROUTE_MARK, (note, calls))
@@ -158,7 +158,8 @@ class SDOptCompile(PatchNode):
         "never recompile while the input shapes stay the same; a new resolution compiles once, and so do CFG exactly "
         "1 (no uncond batch) and a prompt that needs another 77-token chunk. LoRA and other weight changes are used "
         "without recompiling. Compiled code is cached on disk per architecture, torch version and settings "
-        "(python -m sdopt cache list|purge). Where ComfyUI's attention would split the compiled graph (on a CPU), "
+        "(python -m sdopt cache list|purge). Where ComfyUI's attention would split the compiled graph or freeze "
+        "free-memory chunk sizes into a trace (on a CPU), "
         "attention runs through sdopt's sdpa unless an sdopt Attention node sets it. Put sdopt CUDA Graph after or "
         "before it for the fast path."
     )

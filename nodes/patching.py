@@ -106,13 +106,14 @@ def record_in_run(node: str, requested: str, active: str, note: str = "", short:
 def fall_back_or_raise(on_unavailable: str, problem: Unavailable | None, fallback: str) -> str | None:
     """Every node's ``on_unavailable`` choice, where a technique's ``unavailable(...)`` found a
     ``problem``: ``"error"`` raises a UserError filed under the input the fix concerns; ``"fallback"``
-    returns the reason, for the record of what the node does instead (``fallback``, e.g. "run
-    eager"). None where there is no problem."""
+    returns the reason and its fix, for the record of what the node does instead (``fallback``, e.g.
+    "run eager"): a user who reads only the record learns what would make the node run. None where
+    there is no problem."""
     if problem is None:
         return None
     if on_unavailable == "error":
         raise UserError(f"{problem.input}: {problem.reason}; {problem.fix} (or set on_unavailable to fallback to {fallback})")
-    return problem.reason
+    return f"{problem.reason} (fix: {problem.fix})"
 
 
 ATTENTION_MEMORY_KEY = "optimized_attention_memory_efficient"

@@ -48,8 +48,9 @@ class CompileMode:
     compiles_blocks_only: bool = False
     # sdopt's ArtifactCache keeps what it compiles
     uses_compile_cache: bool = True
-    # the Compile node routes ComfyUI's graph-breaking attention through sdpa for it
-    routes_attention: bool = True
+    # what ComfyUI's graph-breaking attention (on a CPU it asks psutil for free memory) would do to
+    # this mode's code, in the note of the Compile node that routes it through sdpa instead
+    host_attention_cost: str = "breaks torch.compile's graph"
     # dynamo compiles it, so graphs another compiled model made can run in it (the forward's watch)
     compiles_with_dynamo: bool = True
     # torch.compile's ``dynamic`` where the config does not ask for dynamic shapes
@@ -286,7 +287,8 @@ class Trace(CompileMode):
 
     name = "trace"
     uses_compile_cache = False
-    routes_attention = False
+    # the chunk sizes ComfyUI's CPU attention derives from free memory would be constants in the trace
+    host_attention_cost = "would freeze values it computes at call time (chunk sizes from free memory) into the trace"
     compiles_with_dynamo = False
     setup_note = "traced per resolution; not frozen, since ComfyUI may patch weights in place"
 

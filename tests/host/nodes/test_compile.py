@@ -16,6 +16,7 @@ SDXL mini on this 2-core CPU), and its LoRA tests compile as a trace. The SD3.5 
 weights, as Flux usually runs, compiles regionally through inductor and follows a LoRA patched into them.
 """
 import functools
+import warnings
 
 import pytest
 import torch
@@ -234,6 +235,25 @@ def test_compile_then_graph_share_one_fast_path(comfy_host, mini):
     assert fast_path(comfy_host, again).config_of("SDOptCompile").mode == "compile_regional"
     assert fast_path(comfy_host, patched).config_of("SDOptCompile").mode == "trace", "the upstream clone keeps its own fast path"
     assert comfy_host.wrapper_counts(again, comfy_host.fast_path.FAST_PATH_KEY) == {"diffusion_model": 1, "sampler_sample": 1}
+
+
+def test_a_trace_wired_alone_freezes_nothing_computed_from_free_memory(comfy_host, mini, prompt_context):
+    """ComfyUI's CPU attention sizes its chunks from the free memory psutil reports on each call; a
+    trace through it would keep the sizes of the moment it traced (torch warns so, from ComfyUI's
+    attention module). Routed through sdpa, the trace holds no such value, and the record says why
+    attention was routed. (torch's own group_norm warns of its shape check in every trace.)"""
+    model, stock = mini
+    patched = compiled(comfy_host, model, "trace")
+    profiled = comfy_host.nodes["SDOptProfiler"]().apply(patched, "trace alone")[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        assert close(comfy_host.sample(profiled), stock)
+    attention_file = comfy_host.environment.comfy_attention().__file__
+    frozen = [f"line {w.lineno}: {w.message}" for w in caught if issubclass(w.category, torch.jit.TracerWarning) and w.filename == attention_file]
+    assert not frozen, frozen
+    (run,) = comfy_host.prompt_context.prompt_log(prompt_context).runs
+    (record,) = [o for o in run["optimizations"] if o["node"] == "SDOptCompile"]
+    assert "would freeze values it computes at call time (chunk sizes from free memory) into the trace" in record["note"], record
 
 
 # SDXL through aot_eager: dynamo captures the same graph as on inductor, which is what is counted here.

@@ -188,7 +188,7 @@ def test_fall_back_or_raise_is_every_nodes_on_unavailable():
     problem = Unavailable("no GPU here", "run it on a GPU", "mode")
     assert patching.fall_back_or_raise("fallback", None, "run eager") is None
     assert patching.fall_back_or_raise("error", None, "run eager") is None
-    assert patching.fall_back_or_raise("fallback", problem, "run eager") == "no GPU here"
+    assert patching.fall_back_or_raise("fallback", problem, "run eager") == "no GPU here (fix: run it on a GPU)"
     with pytest.raises(UserError) as raised:
         patching.fall_back_or_raise("error", problem, "run eager")
     assert str(raised.value) == "mode: no GPU here; run it on a GPU (or set on_unavailable to fallback to run eager)"

@@ -18,14 +18,18 @@ def test_modes_are_the_mode_objects_names_in_order():
     assert all(isinstance(mode, CompileMode) and mode.name == name for name, mode in MODE_OBJECTS.items())
 
 
-@pytest.mark.parametrize("name, blocks_only, cache, routes, note, blocks", [
-    ("compile", False, True, True, "compiles on the first steps", ()),
-    ("compile_regional", True, True, True, "compiles on the first steps", FAMILY_BLOCKS),
-    ("trace", False, False, False, "traced per resolution; not frozen, since ComfyUI may patch weights in place", ()),
+BREAKS = "breaks torch.compile's graph"
+FREEZES = "would freeze values it computes at call time (chunk sizes from free memory) into the trace"
+
+
+@pytest.mark.parametrize("name, blocks_only, cache, attention_cost, note, blocks", [
+    ("compile", False, True, BREAKS, "compiles on the first steps", ()),
+    ("compile_regional", True, True, BREAKS, "compiles on the first steps", FAMILY_BLOCKS),
+    ("trace", False, False, FREEZES, "traced per resolution; not frozen, since ComfyUI may patch weights in place", ()),
 ])
-def test_each_mode_knows_what_the_nodes_ask_of_it(name, blocks_only, cache, routes, note, blocks):
+def test_each_mode_knows_what_the_nodes_ask_of_it(name, blocks_only, cache, attention_cost, note, blocks):
     mode = MODE_OBJECTS[name]
-    assert (mode.compiles_blocks_only, mode.uses_compile_cache, mode.routes_attention) == (blocks_only, cache, routes)
+    assert (mode.compiles_blocks_only, mode.uses_compile_cache, mode.host_attention_cost) == (blocks_only, cache, attention_cost)
     assert mode.setup_note == note
     assert mode.block_classes(FAMILY_BLOCKS) == blocks
 
