@@ -57,7 +57,7 @@ serve: comfyui $(MINI) $(MINI_SDXL) $(MINI_SD35) $(MINI_FLUX)
 	$(PY) -m sdopt serve --comfyui $(COMFY) --models $(MODELS) --port $(PORT)
 
 # Not part of `make test` or CI: 100 random prompts on a live server, under 30 min on 2 CPU cores.
-soak: comfyui $(MINI)
+soak: comfyui $(MINI) $(MINI_SDXL) $(MINI_SD35) $(MINI_FLUX)
 	$(PY) -m sdopt soak --comfyui $(COMFY) --models $(MODELS) $(SOAK_ARGS)
 
 clean:

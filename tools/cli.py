@@ -18,7 +18,7 @@ from .bench_suite import SUITE_LIMIT_S
 from .memory_mode import ENVIRONMENT as MEMORY_MODE_ENVIRONMENT, MODES as MEMORY_MODES
 from ..families import MODEL_NAMES, resolve_model
 from .modelgen import CHECKPOINT_DTYPES, SIZES
-from .soak import DEFAULT_PROMPTS as SOAK_PROMPTS, DEFAULT_WARMUP as SOAK_WARMUP
+from .soak import DEFAULT_MODELS as SOAK_MODELS, DEFAULT_PROMPTS as SOAK_PROMPTS, DEFAULT_WARMUP as SOAK_WARMUP
 
 
 
@@ -291,7 +291,7 @@ def _soak(args: argparse.Namespace) -> int:
     from .soak import soak, write_json
 
     result = soak(args.comfyui, args.models, prompts=args.prompts, seed=args.seed, port=args.port, max_drift=args.max_drift / 100,
-                  warmup=args.warmup, model_names=tuple(args.model or ["mini"]), prompt_timeout=args.prompt_timeout)
+                  warmup=args.warmup, model_names=tuple(args.model or SOAK_MODELS), prompt_timeout=args.prompt_timeout, chaos=args.chaos)
     print(result.summary())
     if args.json:
         write_json(result, args.json, _soak_command(args))
@@ -301,8 +301,9 @@ def _soak(args: argparse.Namespace) -> int:
 
 def _soak_command(args: argparse.Namespace) -> str:
     """The command that repeats this soak, every option spelled out (the server's port aside)."""
-    models = "".join(f" --model {name}" for name in args.model or ["mini"])
-    return (f"python -m sdopt soak --prompts {args.prompts} --seed {args.seed} --warmup {args.warmup} --max-drift {args.max_drift:g}{models}"
+    models = "".join(f" --model {name}" for name in args.model or SOAK_MODELS)
+    return (f"python -m sdopt soak{' --chaos' if args.chaos else ''} --prompts {args.prompts} --seed {args.seed} --warmup {args.warmup} "
+            f"--max-drift {args.max_drift:g}{models}"
             f" --comfyui {args.comfyui}" + (f" --models {args.models}" if args.models else ""))
 
 
@@ -361,13 +362,16 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
     soak.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder); a missing mini is generated there")
     soak.add_argument("--model", action="append", choices=[name for name in _COMFYUI_MODELS if resolve_model(name)[1] == "mini"], help=(
-        "the generated model(s) the prompts draw from (repeatable; default mini)"))
+        f"the generated model(s) the prompts draw from (repeatable; default the four families' minis: {', '.join(SOAK_MODELS)})"))
     soak.add_argument("--port", type=int, help="default: a free port")
     soak.add_argument("--max-drift", type=float, default=5.0, metavar="PERCENT", help="RSS growth allowed from the warm reading to the end one")
     soak.add_argument("--warmup", type=int, default=SOAK_WARMUP, help=(
         "prompts before the warm RSS reading: torch's one-time set-up for each new mix of Compile and "
         "weight dtypes lands in them"))
     soak.add_argument("--prompt-timeout", type=float, default=600.0, metavar="SECONDS", help="a prompt not ended by then counts as failed")
+    soak.add_argument("--chaos", action="store_true", help=(
+        "mix in what users do: cancel while sampling, compiling or decoding, free memory, bursts of 10-20 queued prompts, "
+        "malformed prompts; then compare every completed image with a fresh server's"))
     soak.add_argument("--json", type=_output_file, help="also write the result, every prompt's chain and error, as JSON")
     soak.set_defaults(handler=_soak, model=None)
 

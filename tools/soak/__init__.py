@@ -5,7 +5,7 @@ offered, a free localhost port, temporary output, user and database locations), 
 ``--prompts`` prompts over HTTP (``POST /prompt``, then ``/history/<id>`` until the prompt ends),
 one at a time. Each prompt is a random chain drawn from ``--seed``:
 
-- the checkpoint, one of ``--model`` (repeatable: SD1.5, SDXL, SD3.5 and Flux minis); a family whose
+- the checkpoint, one of ``--model`` (repeatable; by default the SD1.5, SDXL, SD3.5 and Flux minis); a family whose
   text encoder is a file of its own (sdopt's Flux) encodes through ComfyUI's CLIPLoader;
 - the MODEL path: sdopt Precision, Attention, Low Memory, Offload, Compile, CUDA Graph and Step Cache
   (either mode on any family: the one that does not fit the model passes it through with a note),
@@ -44,16 +44,17 @@ does not cover stops it before it starts. One subject per module:
 - ``prompts``: a prompt drawn from the seed and its index, and the probe prompt;
 - ``server``: ComfyUI's HTTP API as the soak uses it, the server's memory and environment;
 - ``verdict``: how each prompt ended, the readings, the drift and what fails the soak;
+- ``chaos``: ``--chaos``, users' disruptions mixed in and each image held to a fresh server's;
 - ``run``: the soak itself and its JSON.
 """
 from .drawn_nodes import PROFILER, REPORT, soak_nodes
 from .prompts import DEFAULT_WARMUP, GROUPS, LORA, SoakModel, SoakPrompt, plan_prompt, probe_prompt
-from .run import DEFAULT_PROMPTS, soak, write_json
+from .run import DEFAULT_MODELS, DEFAULT_PROMPTS, soak, write_json
 from .server import SUCCESS, history_error
 from .verdict import PromptOutcome, SoakResult, drift, problems, reading_points
 
 __all__ = [
-    "DEFAULT_PROMPTS", "DEFAULT_WARMUP", "GROUPS", "LORA", "PROFILER", "REPORT", "SOAK_NODES", "SUCCESS", "PromptOutcome",
+    "DEFAULT_MODELS", "DEFAULT_PROMPTS", "DEFAULT_WARMUP", "GROUPS", "LORA", "PROFILER", "REPORT", "SOAK_NODES", "SUCCESS", "PromptOutcome",
     "SoakModel", "SoakPrompt", "SoakResult", "drift", "history_error", "plan_prompt", "probe_prompt", "problems",
     "reading_points", "soak", "soak_nodes", "write_json",
 ]

@@ -42,6 +42,16 @@ class Client:
         with self._post("/free", {"unload_models": True}):
             pass
 
+    def free(self) -> None:
+        """What ComfyUI's "Free model and node cache" asks: unload the models and free memory (POST /free)."""
+        with self._post("/free", {"unload_models": True, "free_memory": True}):
+            pass
+
+    def interrupt(self, prompt_id: str) -> None:
+        """Interrupt ``prompt_id`` if it runs now (POST /interrupt, as the Cancel button does)."""
+        with self._post("/interrupt", {"prompt_id": prompt_id}):
+            pass
+
     def _post(self, path: str, body: dict):
         request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         return urllib.request.urlopen(request, timeout=30)

@@ -3,6 +3,7 @@ covered), when and after what RSS is read, the drift and the verdict, the server
 into one line, the CLI's options."""
 import json
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from sdopt.tools.soak import (
     GROUPS, LORA, PROFILER, REPORT, SOAK_NODES, SUCCESS, PromptOutcome, SoakModel, SoakResult, drift, history_error, plan_prompt,
     probe_prompt, problems, reading_points,
 )
-from sdopt.tools.soak import run as soak_run
+from sdopt.tools.soak import chaos, run as soak_run
 from sdopt.tools.soak.server import _rejection, server_env
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -193,7 +194,8 @@ def test_each_reading_follows_the_probe_a_collection_and_two_cached_probes(monke
     monkeypatch.setattr(soak_run, "rss_bytes", read)  # where _run_prompts looks it up
     result = SoakResult(seed=0, prompts=3, warmup=1)
     server = Server()
-    soak_run._run_prompts(server, server, result, CHECKPOINTS, probe, 1.0, lambda line: None)
+    plan = lambda index: plan_prompt(index, 0, CHECKPOINTS, 1)  # noqa: E731
+    soak_run._run_prompts(server, server, result, plan, probe, 1.0, Path("output"), lambda line: None)
     reading = ["probe", "collect", "probe", "probe", "read"]
     each_prompt = ["prompt", "read"]  # and the RSS its line shows
     assert events == [*each_prompt, *reading, *each_prompt, *each_prompt, *reading]
@@ -265,3 +267,96 @@ def test_the_server_holds_glibc_s_mmap_threshold_unless_the_caller_set_one(tmp_p
     assert env["MALLOC_MMAP_THRESHOLD_"] == str(128 * 1024) and env["SDOPT_CACHE_DIR"].startswith(str(tmp_path))
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
     assert server_env(tmp_path)["MALLOC_MMAP_THRESHOLD_"] == "4194304"
+
+
+# --- soak --chaos -----------------------------------------------------------------------------------
+
+def test_disruptions_are_drawn_from_the_seed_and_cover_every_kind():
+    planned = [plan_prompt(index, 5, CHECKPOINTS) for index in range(200)]
+    drawn = [chaos.plan_disruption(p.index, 5, p) for p in planned]
+    assert drawn == [chaos.plan_disruption(p.index, 5, p) for p in planned]
+    assert drawn != [chaos.plan_disruption(p.index, 6, p) for p in planned]
+    kinds = {(d.kind, d.detail if d.kind != "burst" else "n") for d in drawn if d}
+    assert kinds == {("interrupt", phase) for phase in chaos.INTERRUPT_PHASES} | {("free", "before"), ("free", "during"), ("burst", "n")} \
+        | {("malformed", breakage) for breakage in chaos.MALFORMED}
+    assert 0.2 < sum(d is not None for d in drawn) / len(drawn) < 0.5
+    for p, d in zip(planned, drawn):
+        assert d != chaos.Disruption("interrupt", "compile") or "SDOptCompile" in p.nodes(), "a compile to interrupt"
+        assert d is None or d.kind != "burst" or chaos.BURST_SIZES[0] <= d.detail <= chaos.BURST_SIZES[1]
+
+
+@pytest.mark.parametrize("breakage", chaos.MALFORMED)
+def test_each_malformed_copy_breaks_what_the_server_checks_and_leaves_the_prompt_alone(breakage, core_definitions):
+    for index in range(10):
+        prompt = plan_prompt(index, 2, CHECKPOINTS).api_prompt()
+        before = json.dumps(prompt, sort_keys=True)
+        broken = chaos.malformed_copy(prompt, breakage)
+        assert json.dumps(prompt, sort_keys=True) == before
+        _validate(prompt, core_definitions)
+        with pytest.raises(AssertionError):
+            _validate(broken, core_definitions)
+
+
+def test_a_chain_that_picks_by_timing_or_free_memory_says_so_and_others_must_be_bitwise():
+    seen = {bool(chaos.moment_dependent(plan_prompt(index, 0, CHECKPOINTS))) for index in range(60)}
+    assert seen == {True, False}
+    for index in range(60):
+        planned = plan_prompt(index, 0, CHECKPOINTS)
+        reason = chaos.moment_dependent(planned)
+        assert ("Compile" in reason) == ("SDOptCompile" in planned.nodes())
+        if not reason:
+            assert all(link.inputs.get("backend") != "auto" and link.inputs.get("dtype") != "auto"
+                       for link in (*planned.model_chain, *planned.vae_chain))
+
+
+def test_a_prompts_end_is_read_from_its_history_entry(tmp_path):
+    interrupted = {"status": {"status_str": "error", "messages": [["execution_interrupted", {"node_id": "sampler", "node_type": "KSampler"}]]}}
+    failed = {"status": {"status_str": "error", "messages": [["execution_error", {"node_id": "3", "node_type": "VAEDecode",
+                                                                                  "exception_type": "RuntimeError", "exception_message": "boom"}]]}}
+    done = {"status": {"status_str": SUCCESS, "messages": []},
+            "outputs": {"save": {"images": [{"filename": "a_00001_.png", "subfolder": "sdopt-soak", "type": "output"}]}}}
+    assert chaos.ended_status(interrupted) == (chaos.INTERRUPTED, "interrupted at node sampler KSampler")
+    assert chaos.ended_status(failed)[0] == "error" and "boom" in chaos.ended_status(failed)[1]
+    assert chaos.ended_status(done) == (SUCCESS, "") and chaos.ended_status(None)[0] == "timeout"
+    assert chaos.saved_image(done, tmp_path) == tmp_path / "sdopt-soak" / "a_00001_.png"
+
+
+def test_images_are_compared_in_levels(tmp_path):
+    from PIL import Image
+
+    pixels = bytes(range(48))
+    Image.frombytes("RGB", (4, 4), pixels).save(tmp_path / "a.png")
+    Image.frombytes("RGB", (4, 4), bytes(min(255, p + (3 if i == 5 else 0)) for i, p in enumerate(pixels))).save(tmp_path / "b.png")
+    Image.frombytes("RGB", (4, 8), pixels * 2).save(tmp_path / "c.png")
+    assert chaos.image_difference(tmp_path / "a.png", tmp_path / "a.png") == (0.0, 0.0)
+    assert chaos.image_difference(tmp_path / "a.png", tmp_path / "b.png") == (3.0, pytest.approx(3 / 48))
+    assert chaos.image_difference(tmp_path / "a.png", tmp_path / "c.png") == (255.0, 255.0)
+
+
+def test_the_websocket_messages_tell_the_phase_a_prompt_is_in():
+    events = chaos.Events.__new__(chaos.Events)
+    events._state, events._changed = {}, threading.Condition()
+    events._seen({"type": "executing", "data": {"node": "sampler", "prompt_id": "p"}})
+    assert events.wait_for("p", "sampler", 0, timeout=0.01) and not events.wait_for("p", "sampler", 1, timeout=0.01)
+    events._seen({"type": "progress", "data": {"value": 1, "max": 2, "node": "sampler", "prompt_id": "p"}})
+    assert events.wait_for("p", "sampler", 1, timeout=0.01) and not events.wait_for("p", "decode", 0, timeout=0.01)
+    events._seen({"type": "executing", "data": {"node": "decode", "prompt_id": "p"}})
+    events._seen({"type": "status", "data": {"status": {}}})
+    assert events.wait_for("p", "decode", 0, timeout=0.01)
+    events._seen({"type": "execution_success", "data": {"prompt_id": "p"}})
+    assert not events.wait_for("p", "decode", 0, timeout=0.01), "an ended prompt has no phase to interrupt"
+    assert not events.wait_for("q", "sampler", 0, timeout=0.01)
+
+
+def test_the_chaos_verdict_adds_malformed_prompts_taken_silences_and_images_off_their_tolerance():
+    ok = PromptOutcome(0, "chain a", SUCCESS, 1.0)
+    result = chaos.ChaosResult(seed=1, prompts=1, warmup=0, outcomes=[ok], readings=[(0, 100), (1, 100)])
+    result.differences = [{"index": 0, "max_levels": 0.0, "mean_levels": 0.0, "allowed": "0 (bitwise)", "within": True}]
+    assert result.problems() == [] and result.summary().endswith("passed")
+    result.accepted_malformed.append("prompt 3 with input left out")
+    result.unanswered.append("after prompt 4")
+    result.differences.append({"index": 5, "max_levels": 2.0, "mean_levels": 0.01, "allowed": "0 (bitwise)", "within": False})
+    assert result.problems() == ["the server took a malformed prompt: prompt 3 with input left out",
+                                 "/system_stats did not answer after prompt 4",
+                                 "prompt 5's image is 2 levels (mean 0.01) off the fresh server's, more than 0 (bitwise)"]
+    assert result.to_dict()["chaos"]["differences"][1]["index"] == 5 and result.to_dict()["passed"] is False
