@@ -6,14 +6,13 @@ The promises are read from the README's node table and from each node's DESCRIPT
 that speaks of ``on_unavailable``, a fallback, a pass-through or doing nothing must have a scenario
 here, keyed by the sentence itself, so that rewording a promise or adding one fails until its
 scenario says what the record now shows. A scenario puts the node where it cannot run and checks
-that the record names what ran instead, why, and the fix, that ``error`` stops under the input the
-fix concerns, and that a passed-through model samples as the stock one does.
+that the record names what ran instead, why, and the fix, and that ``error`` stops under the input the
+fix concerns. That a passed-through model samples as the stock one does is each node's own host test's.
 """
 import re
 from pathlib import Path
 
 import pytest
-import torch
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 NODE_ROW = re.compile(r"^\| \*\*sdopt [^*]+\*\* \(`(?P<node>SDOpt\w+)`\) \| [^|]+ \| (?P<text>.+) \|$", re.M)
@@ -66,7 +65,6 @@ def cuda_graph_on_a_cpu(host):
     record = record_of(host, passed, "SDOptCUDAGraph")
     assert record["active"] == "eager" and "(fix: run the model on a CUDA GPU)" in record["note"], record
     assert host.fast_path.fast_path_of(passed) is None
-    assert torch.equal(host.sample(passed), host.sample(model))
 
 
 def step_cache_where_the_mode_does_not_fit(host):
@@ -83,7 +81,6 @@ def step_cache_where_the_mode_does_not_fit(host):
         record = record_of(family_host, passed, "SDOptStepCache")
         assert record["active"] == active and reason in record["note"] and f"(fix: {fix}" in record["note"], record
         assert reason in record["short"], "the report's did-less-than-asked column says it ran uncached"
-        assert torch.equal(family_host.sample(passed), family_host.sample(model))
         with refused(family_host, f"^(mode|branch): .*{re.escape(reason)}.*; {fix}"):
             node.patch(model, mode, 3, branch, 0.0, 1.0, "error", 0.08)
 
@@ -113,7 +110,6 @@ def attention_backend_unavailable(host):
     (fallen_back,) = node.patch(model, "flash_attn", "fallback", 0, 1024)
     record = record_of(host, fallen_back, "SDOptAttention")
     assert record["active"] == "sdpa" and "fallback from flash_attn to sdpa" in record["note"], record
-    assert torch.isfinite(host.sample(fallen_back)).all()
     with refused(host, "^backend: flash_attn cannot run here"):
         node.patch(model, "flash_attn", "error", 0, 1024)
 

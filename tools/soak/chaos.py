@@ -37,7 +37,7 @@ from .verdict import PromptOutcome, SoakResult, reading_points
 
 INTERRUPTED = "interrupted"
 DISRUPTED_SHARE = 0.35
-INTERRUPT_PHASES = ("sampling", "compile", "decode")
+INTERRUPT_PHASES = ("sampling", "compiling", "decoding")
 BURST_SIZES = (10, 20)
 MALFORMED = ("unknown node", "value out of range", "input left out", "link to no node", "choice not offered")
 PHASE_TIMEOUT_S = 120.0
@@ -63,13 +63,13 @@ class Disruption:
 
 def plan_disruption(index: int, seed: int, prompt: SoakPrompt) -> Disruption | None:
     """The disruption around prompt ``index`` of the chaos soak with ``seed``, or None: the same arguments
-    always give the same one. ``compile`` is drawn only for a prompt with sdopt Compile."""
+    always give the same one. ``compiling`` is drawn only for a prompt with sdopt Compile."""
     rng = random.Random(f"sdopt-soak-chaos {seed} {index}")
     if rng.random() >= DISRUPTED_SHARE:
         return None
     kind = rng.choice(("interrupt", "free", "burst", "malformed"))
     if kind == "interrupt":
-        phases = INTERRUPT_PHASES if "SDOptCompile" in prompt.nodes() else ("sampling", "decode")
+        phases = INTERRUPT_PHASES if "SDOptCompile" in prompt.nodes() else ("sampling", "decoding")
         return Disruption(kind, rng.choice(phases))
     if kind == "free":
         return Disruption(kind, rng.choice(("before", "during")))
@@ -174,7 +174,8 @@ class Events:
             return not state.get("ended", False) and state.get("node") == node and state.get("steps", 0) >= steps
 
 
-PHASES = {"sampling": ("sampler", 0), "compile": ("sampler", 1), "decode": ("decode", 0)}
+# Each interrupt phase as (the node running, steps done): a prompt's first compiled call is its second step.
+PHASES = {"sampling": ("sampler", 0), "compiling": ("sampler", 1), "decoding": ("decode", 0)}
 
 
 @dataclass

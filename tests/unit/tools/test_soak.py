@@ -281,7 +281,7 @@ def test_disruptions_are_drawn_from_the_seed_and_cover_every_kind():
         | {("malformed", breakage) for breakage in chaos.MALFORMED}
     assert 0.2 < sum(d is not None for d in drawn) / len(drawn) < 0.5
     for p, d in zip(planned, drawn):
-        assert d != chaos.Disruption("interrupt", "compile") or "SDOptCompile" in p.nodes(), "a compile to interrupt"
+        assert d != chaos.Disruption("interrupt", "compiling") or "SDOptCompile" in p.nodes(), "a compile to interrupt"
         assert d is None or d.kind != "burst" or chaos.BURST_SIZES[0] <= d.detail <= chaos.BURST_SIZES[1]
 
 
