@@ -24,6 +24,7 @@ RSS drift past ``--max-drift``.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import random
 import threading
@@ -31,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...errors import UserError
 from .prompts import SoakPrompt
 from .server import CLIENT_ID, SUCCESS, Client, Rejected, history_error
 from .verdict import PromptOutcome, SoakResult, reading_points
@@ -119,6 +121,13 @@ def moment_dependent(prompt: SoakPrompt) -> str:
         elif link.class_type == "SDOptCompile":
             reasons.append("Compile on a CPU runs eagerly where its compiled steps timed slower")
     return "; ".join(reasons)
+
+
+def require_websocket_client() -> None:
+    """Refuse, before any server starts, a Python without aiohttp, which reads the server's websocket
+    (ComfyUI's own server needs it, so ComfyUI's Python has it)."""
+    if importlib.util.find_spec("aiohttp") is None:
+        raise UserError("soak --chaos reads the server's websocket with aiohttp: run it with ComfyUI's Python, or pip install aiohttp")
 
 
 class Events:

@@ -14,7 +14,7 @@ from typing import Callable
 from ...errors import UserError
 from ...families import resolve_model
 from ..progress import progress_bar
-from .chaos import ChaosResult, compare_with_fresh, run_chaos_prompts
+from .chaos import ChaosResult, compare_with_fresh, require_websocket_client, run_chaos_prompts
 from .drawn_nodes import REPORT, soak_nodes
 from .prompts import DEFAULT_WARMUP, SoakModel, plan_prompt, probe_prompt
 from .server import SUCCESS, Client, device_text, log_tail, rss_bytes, run_one, server_env
@@ -42,6 +42,8 @@ def soak(comfyui: Path | None, models: Path | None = None, *, prompts: int = DEF
     if max_drift < 0:
         raise UserError(f"--max-drift {max_drift * 100:g}: give a percentage at or above 0, e.g. 5 for 5%")
     soak_nodes()  # a registered node the soak does not cover stops it here, before the server starts
+    if chaos:
+        require_websocket_client()
     root = _comfyui_root(comfyui)
     models = Path(models) if models is not None else root / "models"
     result = (ChaosResult if chaos else SoakResult)(seed=seed, prompts=prompts, warmup=warmup, max_drift=max_drift)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from sdopt.errors import UserError
 from sdopt.nodes.registry import NODE_CLASS_MAPPINGS
 from sdopt.tools.cli import build_parser, main
 from sdopt.tools.soak import (
@@ -360,3 +361,10 @@ def test_the_chaos_verdict_adds_malformed_prompts_taken_silences_and_images_off_
                                  "/system_stats did not answer after prompt 4",
                                  "prompt 5's image is 2 levels (mean 0.01) off the fresh server's, more than 0 (bitwise)"]
     assert result.to_dict()["chaos"]["differences"][1]["index"] == 5 and result.to_dict()["passed"] is False
+
+
+def test_chaos_without_a_websocket_client_is_refused_before_any_server_starts(monkeypatch, tmp_path):
+    monkeypatch.setattr(chaos.importlib.util, "find_spec", lambda name: None if name == "aiohttp" else object())
+    monkeypatch.setattr(soak_run, "_server", lambda *args: pytest.fail("a server started"))
+    with pytest.raises(UserError, match="^soak --chaos reads the server's websocket with aiohttp"):
+        soak_run.soak(tmp_path, tmp_path, prompts=2, chaos=True, model_names=("mini",))
