@@ -22,7 +22,8 @@ that run on any device; Compile, in each of its modes (whole-model compile twice
 others), uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor), so a prompt takes
 seconds on a CPU, not the minutes of an inductor build, at the cost of not soaking inductor's generated
 code; VAE Precision is never asked for bf16 explicitly (see ``_vae_precision``). 100 prompts of the
-SD1.5 mini took 8–11 minutes on 2 idle CPU cores, 29 minutes on 2 shared ones (docs/benchmarks.md).
+SD1.5 mini took 8–11 minutes on 2 idle CPU cores, 29 minutes on 2 shared ones; 100 chaos prompts of the
+four families, with their fresh-server rerun, 63 minutes on 2 shared ones (docs/benchmarks.md).
 
 The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
 node), so every reading sees the same cached state, and after ComfyUI has unloaded its models and
