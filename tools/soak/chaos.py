@@ -34,10 +34,9 @@ from pathlib import Path
 
 from ...errors import UserError
 from .prompts import SoakPrompt
-from .server import CLIENT_ID, SUCCESS, Client, Rejected, history_error
+from .server import CLIENT_ID, INTERRUPTED, SUCCESS, Client, Rejected, ended_status
 from .verdict import PromptOutcome, SoakResult, reading_points
 
-INTERRUPTED = "interrupted"
 DISRUPTED_SHARE = 0.35
 INTERRUPT_PHASES = ("sampling", "compiling", "decoding")
 BURST_SIZES = (10, 20)
@@ -218,17 +217,6 @@ class ChaosResult(SoakResult):
                                                "unanswered": self.unanswered, "differences": self.differences}}
 
 
-def ended_status(entry: dict | None) -> tuple[str, str]:
-    """(status, error) of a prompt's history entry: success, interrupted, error, or timeout (no entry)."""
-    if entry is None:
-        return "timeout", "no end within the prompt timeout"
-    if entry["status"].get("status_str") == SUCCESS:
-        return SUCCESS, ""
-    if any(kind == "execution_interrupted" for kind, _ in entry["status"].get("messages", [])):
-        return INTERRUPTED, history_error(entry)
-    return "error", history_error(entry)
-
-
 def saved_image(entry: dict, output: Path) -> Path | None:
     """The file the prompt's SaveImage wrote, from its history entry."""
     images = (entry.get("outputs", {}).get("save") or {}).get("images") or []
@@ -302,7 +290,7 @@ def run_chaos_prompts(client: Client, result: ChaosResult, plan, timeout: float,
                 except Rejected as error:
                     ended(member, None, 0.0, "rejected", str(error))
             for (member, _), (entry, seconds) in zip(queued, wait_all(client, [prompt_id for _, prompt_id in queued], timeout)):
-                ended(member, entry, seconds, *ended_status(entry))
+                ended(member, entry, seconds, *ended_status(entry, timeout))
             index += len(batch)
             continue
         if disruption is not None and disruption.kind == "malformed":
@@ -328,11 +316,11 @@ def run_chaos_prompts(client: Client, result: ChaosResult, plan, timeout: float,
             events.wait_for(prompt_id, "sampler")
             client.free()
         entry = client.wait(prompt_id, timeout)
-        status, error = ended_status(entry)
+        status, error = ended_status(entry, timeout)
         if status == INTERRUPTED:
             prompt_id = client.queue(planned.api_prompt())
             entry = client.wait(prompt_id, timeout)
-            status, error = ended_status(entry)
+            status, error = ended_status(entry, timeout)
         elif disruption is not None and disruption.kind == "interrupt":
             result.events[-1] += " (it ended before the interrupt: nothing to cancel)"
         ended(planned, entry, time.monotonic() - start, status, error)
@@ -348,7 +336,7 @@ def compare_with_fresh(client: Client, result: ChaosResult, plan, timeout: float
         planned = plan(index)
         prompt_id = client.queue(with_prefix(planned.api_prompt(), f"sdopt-soak-fresh/{index:04d}"))
         entry = client.wait(prompt_id, timeout)
-        status, error = ended_status(entry)
+        status, error = ended_status(entry, timeout)
         reason = moment_dependent(planned)
         allowed = f"{IMAGE_TOLERANCE.max_levels:g} levels at most, {IMAGE_TOLERANCE.mean_levels:g} on average ({reason})" if reason else "0 (bitwise)"
         if status != SUCCESS:

@@ -94,7 +94,7 @@ def _server(root: Path, models: Path, scratch: Path, port: int | None, outcomes:
     """(client, process) of a ComfyUI server with sdopt, its outputs, user data and compile cache in
     ``scratch``, the soak's LoRAs offered; stopped on leaving, its log's end shown where it raised or one
     of ``outcomes`` failed."""
-    from ..serve import free_port, install_pack, serve, wait_ready
+    from ..serve import free_port, install_pack, serve, stop, wait_ready
 
     port = port or free_port()
     args = ["--output-directory", str(scratch / "output"), "--user-directory", str(scratch / "user"),
@@ -117,8 +117,6 @@ def _server(root: Path, models: Path, scratch: Path, port: int | None, outcomes:
         yield client, process
         failed = any(outcome.failed for outcome in outcomes)
     finally:
-        from ..serve import stop
-
         stop(process)
         if failed:
             log(f"soak: the server's log ends:\n{log_tail(server_log)}")

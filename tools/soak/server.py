@@ -10,6 +10,7 @@ from pathlib import Path
 
 CLIENT_ID = "sdopt-soak"
 SUCCESS = "success"
+INTERRUPTED = "interrupted"
 
 
 def rss_bytes(pid: int) -> int:
@@ -103,12 +104,20 @@ def run_one(client: Client, prompt: dict, timeout: float) -> tuple[str, float, s
     except Rejected as error:
         return "rejected", time.monotonic() - start, str(error)
     entry = client.wait(prompt_id, timeout)
-    seconds = time.monotonic() - start
+    status, error = ended_status(entry, timeout)
+    return status, time.monotonic() - start, error
+
+
+def ended_status(entry: dict | None, timeout: float) -> tuple[str, str]:
+    """(status, error) of a prompt's history entry: success, interrupted (cancelled), error, or timeout
+    (no entry within ``timeout`` seconds)."""
     if entry is None:
-        return "timeout", seconds, f"no end within {timeout:.0f} s"
-    if entry["status"].get("status_str") != SUCCESS:
-        return "error", seconds, history_error(entry)
-    return SUCCESS, seconds, ""
+        return "timeout", f"no end within {timeout:.0f} s"
+    if entry["status"].get("status_str") == SUCCESS:
+        return SUCCESS, ""
+    if any(kind == "execution_interrupted" for kind, _ in entry["status"].get("messages", [])):
+        return INTERRUPTED, history_error(entry)
+    return "error", history_error(entry)
 
 
 # glibc's mmap threshold held at its initial 128 KiB: glibc otherwise raises it with each large block

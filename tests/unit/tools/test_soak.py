@@ -16,7 +16,7 @@ from sdopt.tools.soak import (
     probe_prompt, problems, reading_points,
 )
 from sdopt.tools.soak import chaos, run as soak_run
-from sdopt.tools.soak.server import _rejection, server_env
+from sdopt.tools.soak.server import INTERRUPTED, _rejection, ended_status, server_env
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHECKPOINTS = {"sdopt-mini-sd15.safetensors": SoakModel("sdopt-soak-mini-lora.safetensors")}
@@ -316,9 +316,9 @@ def test_a_prompts_end_is_read_from_its_history_entry(tmp_path):
                                                                                   "exception_type": "RuntimeError", "exception_message": "boom"}]]}}
     done = {"status": {"status_str": SUCCESS, "messages": []},
             "outputs": {"save": {"images": [{"filename": "a_00001_.png", "subfolder": "sdopt-soak", "type": "output"}]}}}
-    assert chaos.ended_status(interrupted) == (chaos.INTERRUPTED, "interrupted at node sampler KSampler")
-    assert chaos.ended_status(failed)[0] == "error" and "boom" in chaos.ended_status(failed)[1]
-    assert chaos.ended_status(done) == (SUCCESS, "") and chaos.ended_status(None)[0] == "timeout"
+    assert ended_status(interrupted, 5) == (INTERRUPTED, "interrupted at node sampler KSampler")
+    assert ended_status(failed, 5)[0] == "error" and "boom" in ended_status(failed, 5)[1]
+    assert ended_status(done, 5) == (SUCCESS, "") and ended_status(None, 5) == ("timeout", "no end within 5 s")
     assert chaos.saved_image(done, tmp_path) == tmp_path / "sdopt-soak" / "a_00001_.png"
 
 
