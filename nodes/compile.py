@@ -4,9 +4,10 @@ The node only configures the clone's fast path (``fast_path.FastPath``); each in
 call runs eagerly and its second compiles (usually sampling step 1), and the profiler report gives
 its count, time, guard-failure reasons, graph breaks and the functions torch gave up on. Where
 ComfyUI's own attention breaks torch.compile's graph (on a CPU it asks psutil for free memory on
-every call) and no attention override is set, the node runs attention through sdopt's sdpa itself,
-so that the UNet compiles as one graph, and a trace freezes nothing computed from the moment's free
-memory; an sdopt Attention node before or after it chooses the backend instead.
+every call) and no attention override is set, the node runs attention through sdopt's sdpa itself
+on the calls the fast path serves, so that the UNet compiles as one graph, and a trace freezes nothing
+computed from the moment's free memory (a call the fast path leaves eager keeps ComfyUI's attention);
+an sdopt Attention node before or after it chooses the backend instead.
 """
 import dataclasses
 import functools
@@ -71,6 +72,7 @@ def route_attention(m, config: CompileConfig) -> tuple[str, dict]:
             "an sdopt Attention node before or after Compile picks another backend")
     override = comfy_attention_override(build_attention(AttentionConfig(backend="sdpa")), count)
     setattr(override, ROUTE_MARK, (note, calls))
+    setattr(override, fast_path.CHAIN_ONLY_ATTRIBUTE, True)  # a call the chain cannot serve keeps ComfyUI's attention
     transformer_options = dict(options)
     transformer_options[OVERRIDE_KEY] = override
     m.model_options["transformer_options"] = transformer_options

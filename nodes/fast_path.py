@@ -32,6 +32,9 @@ _KEPT_OPTIONS = ("optimized_attention_override", "patches_replace")
 FIRST_BLOCK_EAGER = ("sdopt Step Cache first_block, which decides per call between the blocks: only Compile's "
                      "compile_regional (no CUDA Graph) runs beside it")
 PLAIN_STEP = "plain"
+# An option value with this attribute is set for the chain's forward only (Compile's attention route):
+# a call that bypasses the chain runs as ComfyUI would, so without it
+CHAIN_ONLY_ATTRIBUTE = "sdopt_chain_only"
 
 
 def schedule_position(transformer_options: dict) -> float | None:
@@ -61,6 +64,20 @@ def _bind(call: DiffusionCall, args: tuple, kwargs: dict) -> tuple[tuple, object
     for name, value in kwargs.items():
         (bound if name in names else extra)[name] = value
     return tuple(bound.get(name) for name in call.tensor_inputs), bound.get("control"), bound.get("transformer_options", {}), extra
+
+
+def _as_comfy_would(call: DiffusionCall, args: tuple, kwargs: dict, transformer_options) -> tuple[tuple, dict]:
+    """(args, kwargs) of a call that bypasses the chain, without the options set for the chain only."""
+    if not isinstance(transformer_options, dict):
+        return args, kwargs
+    chain_only = [name for name, value in transformer_options.items() if getattr(value, CHAIN_ONLY_ATTRIBUTE, False)]
+    if not chain_only:
+        return args, kwargs
+    own = {name: value for name, value in transformer_options.items() if name not in chain_only}
+    place = len(call.tensor_inputs) + 1
+    if len(args) > place:
+        return (*args[:place], own, *args[place + 1:]), kwargs
+    return args, {**kwargs, "transformer_options": own}
 
 
 def _identity(option) -> tuple | int:
@@ -267,6 +284,8 @@ class FastPath:
             reason = _why_eager(executor, control, transformer_options, extra, self.keeps_forward_code)
         if reason:
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+            if bound is not None:
+                args, kwargs = _as_comfy_would(self.family.call, args, kwargs, transformer_options)
             return executor(*args, **kwargs)
         options = {name: transformer_options[name] for name in _KEPT_OPTIONS if transformer_options.get(name)}
         run = functools.partial(self._run, executor.class_obj, options)

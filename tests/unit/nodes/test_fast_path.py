@@ -96,6 +96,28 @@ def test_fast_path_calls_the_unet_with_tensors_and_stable_options_only(patcher_e
     assert stats.compilations == 1 and graphs == []
 
 
+@torch.inference_mode()
+def test_a_call_the_chain_cannot_serve_runs_without_the_options_set_for_the_chain_only(patcher_extension):
+    from sdopt.nodes.fast_path import CHAIN_ONLY_ATTRIBUTE
+
+    fast_path = fast_path_of(_compile_node(FastPatcher()))
+    unet = TinyUNet()
+
+    def route(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    setattr(route, CHAIN_ONLY_ATTRIBUTE, True)
+    other = object()
+    x, t, context = unet_inputs(0)
+    control = {"output": []}
+    options = {"optimized_attention_override": route, "sigmas": torch.rand(1), "other": other}
+    fast_path(Executor(unet), x, t, context, None, control, options)
+    fast_path(Executor(unet), x, t, context, control=control, transformer_options=options)
+    assert unet.seen_options == [["other", "sigmas"]] * 2, "positional or keyword, ControlNet's eager call keeps ComfyUI's attention"
+    assert "optimized_attention_override" in options, "the caller's options are left as they were"
+    assert fast_path.eager_reasons == {"ControlNet (control) inputs": 2}
+
+
 class ApplyModel:
     """ComfyUI's APPLY_MODEL executor: ``class_obj`` is the BaseModel, calling it runs ``_apply_model``,
     which calls the diffusion model (here: with SD3's keyword inputs)."""
