@@ -1,7 +1,7 @@
 """SDOptVAEPrecision in real ComfyUI, on the mini checkpoint's VAE (and the 16-channel VAE of the
 SD3.5 and Flux minis for the bf16 copy).
 
-Decodes of a 4x4 latent (fp16 convolutions are slow on some CPUs): a bf16 copy decodes close to
+Decodes of a 2x2 latent (fp16 convolutions are very slow on some CPUs): a bf16 copy decodes close to
 fp32 and leaves the input VAE as it was; the NaN guard redoes a decode whose fp16 output
 overflows, shown on a copy of the mini VAE whose decoder passes fp16's range; and the VAE's
 record reaches the report even when ComfyUI serves the VAE node from its cache.
@@ -18,8 +18,9 @@ NODE = "SDOptVAEPrecision"
 VAE_REL_TOL = 0.03
 # Below this, a "bf16" decode really ran the fp32 weights.
 BF16_MIN_REL_ERR = 1e-3
-# Latent side for VAE decodes: fp16 convolutions are very slow on some CPUs.
-VAE_LATENT = 4
+# Latent side for VAE decodes (16x16 px): fp16 convolutions are very slow on some CPUs, and this
+# size already overflows fp16 where the tests want it to.
+VAE_LATENT = 2
 # Where decoder.conv_in's largest output lands after scaling: past fp16's 65504.
 OVERFLOW_TARGET = 3e5
 
@@ -187,10 +188,6 @@ def test_record_survives_a_cached_vae_node(comfy_host):
 
 # --- SDXL: the generated SDXL VAE overflows fp16 as the real one does (decoder.mid.block_1.conv1) ---
 
-# fp16 convolutions are very slow on this CPU: a 2x2 latent (16x16 px) already overflows.
-SDXL_LATENT = 2
-
-
 @pytest.fixture(scope="module")
 def sdxl_vae(comfy_host):
     return comfy_host.family("sdxl").load_checkpoint()[2]
@@ -201,7 +198,7 @@ def test_nan_guard_catches_the_sdxl_vaes_fp16_overflow(comfy_host, sdxl_vae, dev
     redoes the decode in a safer dtype, counts it, and the input VAE stays in its dtype."""
     from comfy_execution.utils import CurrentNodeContext
 
-    latent = torch.randn(1, 4, SDXL_LATENT, SDXL_LATENT, generator=torch.Generator().manual_seed(0))
+    latent = torch.randn(1, 4, VAE_LATENT, VAE_LATENT, generator=torch.Generator().manual_seed(0))
     dtype_before, stored_before = sdxl_vae.vae_dtype, stored_dtypes(sdxl_vae.first_stage_model)
     reference = decode(sdxl_vae, latent)
     assert torch.isfinite(reference).all()
