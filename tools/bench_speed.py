@@ -24,8 +24,8 @@ compile or graph, against ``IMAGE_TOLERANCE``.
 
 With ``profile``, each rung then samples one more prompt under torch.profiler
 (``measure.step_profile``): the device's busy time per step set beside the steady step time says
-whether the device or the host bounds the step, with the host syncs and the costliest kernels;
-``trace_dir`` keeps each of those prompts as a Perfetto trace.
+whether the device or the host bounds the step, with the host syncs and the costliest kernels, each
+op category's share of the step and the ops that ran outside compiled graphs; ``trace_dir`` keeps each of those prompts as a Perfetto trace.
 
 Rungs that share a process share torch's compiler: a later compiling rung reuses kernels an earlier one
 built, so compile times depend on the rungs' order. ``bench_speed_isolated`` (``--isolate``) runs each
@@ -543,20 +543,9 @@ def _vs_eager(row: SpeedRow) -> str:
     return f"{row.max_pixel_diff_vs_eager:.1f} / {row.mean_pixel_diff_vs_eager:.2f} {verdict} ({row.eager_twin})"
 
 
-def step_profile_table(rows: list[SpeedRow]) -> str:
-    """Per rung: the steady step, the device's busy time in it, what bounds it, and where the time goes."""
-    profiled = [r for r in rows if r.step_profile]
-    if not profiled:
-        return ""
-    cuda = profiled[0].step_profile["device_type"] == "cuda"
-    unit, syncs = ("kernels", "host syncs") if cuda else ("aten ops", "value reads")
-    headers = ["rung", "step ms", "device busy ms", "busy share", "bound by", f"{unit} per step", f"{syncs} while sampling", f"top {unit} (share of busy)"]
-    body = [
-        [r.rung, f"{p['wall_ms']:.2f}", f"{p['busy_ms']:.2f}", f"{p['busy_share']:.0%}", p["bound_by"], f"{p['activities_per_step']:.0f}",
-         str(p["host_syncs"]), "; ".join(f"{name[:48]} {share:.0%}" for name, share in p["top"][:3])]
-        for r in profiled for p in [r.step_profile]
-    ]
-    return "\n".join(markdown_table(headers, body, right={1, 2, 3, 5, 6}))
+def step_profiles(rows: list[SpeedRow]) -> dict[str, dict]:
+    """{rung: its step profile} of the profiled rungs, for ``measure.step_profile``'s tables."""
+    return {row.rung: row.step_profile for row in rows if row.step_profile}
 
 
 def save_plot(rows: list[SpeedRow], path: Path) -> str | None:

@@ -113,12 +113,13 @@ def _bench_unet(args: argparse.Namespace) -> None:
 
 
 def _bench_speed(args: argparse.Namespace) -> None:
-    from .bench_speed import bench_speed, bench_speed_isolated, save_plot, speed_table, step_profile_table
+    from ..measure.step_profile import step_category_table, step_profile_table
+    from .bench_speed import bench_speed, bench_speed_isolated, save_plot, speed_table, step_profiles
 
     bench = bench_speed_isolated if args.isolate else bench_speed
     rows = bench(args.comfyui, model=args.model, size=args.size, steps=args.steps, rounds=args.rounds, rungs=args.rungs,
                  models=args.models, vram_cap=_vram_cap(args), profile=args.profile, trace_dir=args.trace_dir)
-    _print_rows("\n\n".join(filter(None, [speed_table(rows), step_profile_table(rows)])), rows, args.json)
+    _print_rows("\n\n".join(filter(None, [speed_table(rows), step_profile_table(step_profiles(rows)), step_category_table(step_profiles(rows))])), rows, args.json)
     if args.plot:
         print(save_plot(rows, args.plot) or f"wrote {args.plot}")
 
@@ -412,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
         "diffusers+compile (diffusers' own UNet and pipeline on the same weights: fp16, SDPA, channels-last, torch.compile max-autotune)"))
     speed.add_argument("--plot", type=_output_file, help="write a bar chart (PNG)")
     speed.add_argument("--profile", action="store_true",
-                       help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels")
+                       help="profile one more prompt per rung: the device's busy time per step, what bounds the step, host syncs, top kernels, each op category's share of the step and the ops outside compiled graphs")
     speed.add_argument("--trace-dir", type=_output_folder, help="keep each profiled prompt as a Perfetto trace, RUNG.trace.json.gz (implies --profile)")
     speed.add_argument("--isolate", action="store_true", help=(
         "each rung in a fresh process beside a stock run of its own, with empty compiler caches: cold compile "

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from sdopt.tools.bench_speed import bench_speed, speed_table, step_profile_table
+from sdopt.measure.step_profile import step_category_table, step_profile_table
+from sdopt.tools.bench_speed import bench_speed, speed_table, step_profiles
 from sdopt.tools.cli import main
 
 
@@ -61,8 +62,13 @@ def test_each_rung_has_a_step_profile_beside_its_steady_step(rows):
         assert step["activities_per_step"] > 100 and any(name.startswith("aten::") for name, _ in step["top"])
     for row in rows[:3:2]:  # stock and graph; the trace's shape arithmetic reads CPU scalars
         assert row.step_profile["host_syncs"] < 3, "ComfyUI's step loop reads no tensor value: only its set-up does"
-    table = step_profile_table(rows)
+    table = step_profile_table(step_profiles(rows))
     assert table.count("\n") == len(rows) + 1 and "aten ops per step" in table
+    for row in rows:
+        shares = dict(row.step_profile["categories"])
+        assert sum(shares.values()) == pytest.approx(1.0) and shares["matmul"] > 0
+        assert row.step_profile["outside_graphs"] is None, "no rung here runs a compiled graph"
+    assert step_category_table(step_profiles(rows)).count("no compiled graph") == len(rows)
 
 
 def test_cli_rejects_unknown_rungs_and_writes_json_and_plot(comfy_host, tmp_path, capsys):

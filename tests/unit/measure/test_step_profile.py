@@ -91,3 +91,60 @@ def test_a_profiled_cpu_call_returns_its_result_and_what_ran(tmp_path):
     assert isinstance(result, float) and trace.stat().st_size > 0
     assert activity.host_syncs == 1 and activity.busy_us > 0 and activity.activities >= 11
     assert "aten::mm" in dict(activity.top)
+
+
+def test_op_categories_by_name():
+    from sdopt.measure.step_profile import op_category
+
+    assert [op_category(name) for name in (
+        "sm90_xmma_gemm_bf16bf16_bf16f32", "aten::linear", "aten::convolution", "flash_fwd_kernel", "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "triton_poi_fused_add_mul_0", "## Call CompiledFxGraph fabc ##", "aten::copy_", "Memcpy DtoD", "aten::group_norm",
+        "void at::native::vectorized_elementwise_kernel<4, silu>", "aten::arange")] == [
+        "matmul", "matmul", "matmul", "attention", "attention", "fused (compiled)", "fused (compiled)", "copies", "copies",
+        "normalisation, elementwise", "normalisation, elementwise", "other"]
+
+
+def test_on_a_cpu_an_op_counts_in_its_category_with_its_children_and_ops_outside_graphs_are_named():
+    events = [
+        event("aten::scaled_dot_product_attention", 0, 40, self_us=5),
+        event("aten::bmm", 5, 30),  # attention's own matmul: attention's time
+        event("aten::linear", 50, 70),
+        event("## Call CompiledFxGraph fabc ##", 100, 200, self_us=90),
+        event("aten::convolution", 110, 120),  # an extern kernel inside the graph: a matmul, not fused
+        event("aten::copy_", 210, 220),
+        event("aten::copy_", 230, 240),
+    ]
+    activity = summarize(events, "cpu")
+    assert activity.categories == {"attention": 40, "matmul": 30, "fused (compiled)": 90, "copies": 20}
+    assert activity.outside_graphs == [("aten::copy_", 2), ("aten::scaled_dot_product_attention", 1), ("aten::linear", 1)]
+    step = activity.per_step(2, 0.0002)  # 180 us busy over 2 steps of 200 us: 45% busy
+    shares = dict(step.categories)
+    assert shares["fused (compiled)"] == pytest.approx(90 / 180 * 0.45) and shares["host gaps"] == pytest.approx(0.55)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert step.outside_graphs == [("aten::copy_", 1.0), ("aten::scaled_dot_product_attention", 0.5), ("aten::linear", 0.5)]
+
+
+def test_cuda_kernels_count_in_their_category_and_eager_runs_name_nothing_outside_graphs():
+    events = [
+        event("aten::mm", 0, 5),
+        event("sm90_xmma_gemm", 10, 40, DeviceType.CUDA),
+        event("flash_fwd_kernel", 40, 60, DeviceType.CUDA),
+        event("Memcpy HtoD", 60, 62, DeviceType.CUDA),
+    ]
+    activity = summarize(events, "cuda")
+    assert activity.categories == {"matmul": 30, "attention": 20, "copies": 2} and activity.outside_graphs is None
+    assert activity.per_step(1, 0.0001).outside_graphs is None
+
+
+def test_the_tables_give_a_row_per_run_with_its_categories_and_the_ops_outside_graphs():
+    from sdopt.measure.step_profile import step_category_table, step_profile_table
+
+    eager = DeviceActivity("cpu", 600, 30, 0, [("aten::addmm", 400)], {"matmul": 400, "copies": 200}).per_step(2, 0.0005)
+    compiled = DeviceActivity("cpu", 400, 3, 0, [], {"fused (compiled)": 400}, [("aten::mul", 4)]).per_step(2, 0.0004)
+    profiles = {"stock": eager.to_dict(), "compile": compiled.to_dict()}
+    categories = step_category_table(profiles).splitlines()
+    assert categories[0].startswith("| rung | step ms | matmul | attention |") and len(categories) == 4
+    assert categories[2] == "| stock | 0.50 | 40% | 0% | 0% | 20% | 0% | 0% | 40% | no compiled graph |"
+    assert categories[3] == "| compile | 0.40 | 0% | 0% | 0% | 0% | 50% | 0% | 50% | aten::mul 2 |"
+    assert "| stock | 0.50 | 0.30 | 60% | Python | 15 | 0 | aten::addmm 67% |" in step_profile_table(profiles)
+    assert step_category_table({}) == step_profile_table({}) == ""
