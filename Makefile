@@ -1,5 +1,5 @@
 # Quick start on a fresh machine: `make test` (set up everything, run every tier that can run here),
-# `make demo` (profile the baseline workflow headless), `make serve` (ComfyUI with sdopt on localhost).
+# `make demo` (the baseline workflow headless on the reference model: the picture asked for, profiled), `make serve` (ComfyUI with sdopt on localhost).
 # ComfyUI comes from COMFYUI_PATH (used as it is), COMFYUI_SRC (copied) or the registry (0.3.75);
 # see tools/setup-comfyui.sh. Everything it installs lives in the ignored $(SDOPT_HOME).
 SDOPT_HOME ?= .comfyui
@@ -14,9 +14,14 @@ MINI_SDXL := $(MODELS)/checkpoints/sdopt-mini-sdxl.safetensors
 # encoder goes to $(MODELS)/text_encoders.
 MINI_SD35 := $(MODELS)/checkpoints/sdopt-mini-sd35.safetensors
 MINI_FLUX := $(MODELS)/checkpoints/sdopt-mini-flux.safetensors
+# The reference SD1.5 model trained here: it draws its caption (a shape, its colour, the background, the quadrant, the size).
+REF_SD15 := $(MODELS)/checkpoints/sdopt-ref-sd15.safetensors
 PORT ?= 8188
-# Small enough for a CPU; `make demo DEMO_SET=` runs the workflow as saved (512x512, 20 steps).
-DEMO_SET ?= --set KSampler.steps=4 --set EmptyLatentImage.width=256 --set EmptyLatentImage.height=256
+# The demo asks the reference model for this caption at its default settings (64x64, 20 euler steps, CFG 5);
+# `make demo DEMO_PROMPT="a small white circle on a black background, bottom right"` asks for another.
+DEMO_PROMPT ?= a large red triangle on a blue background, top left
+DEMO_SET ?= --set CheckpointLoaderSimple.ckpt_name=sdopt-ref-sd15.safetensors --set EmptyLatentImage.width=64 \
+	--set EmptyLatentImage.height=64 --set KSampler.cfg=5 --set "Positive prompt.text=$(DEMO_PROMPT)" --set "Negative prompt.text="
 
 # `make soak SOAK_ARGS="--prompts 20 --seed 3"`: fewer prompts, another draw.
 SOAK_ARGS ?=
@@ -42,6 +47,9 @@ $(MINI_SD35): | comfyui
 $(MINI_FLUX): | comfyui
 	$(PY) -m sdopt make-model flux-mini --out $@
 
+$(REF_SD15): | comfyui
+	$(PY) -m sdopt make-model ref-sd15 --out $@
+
 # The unit tier on two workers, each taking whole files (a file's tests keep their order): its cold
 # compiles and fresh-process measurements then share both cores. The other tiers load ComfyUI and the
 # checkpoints once, in one process.
@@ -50,7 +58,7 @@ test: comfyui $(MINI) $(MINI_SDXL)
 	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadfile tests/unit
 	$(TEST_ENV) $(PY) -m pytest tests/host tests/browser tests/gpu
 
-demo: comfyui $(MINI)
+demo: comfyui $(REF_SD15)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
 
 serve: comfyui $(MINI) $(MINI_SDXL) $(MINI_SD35) $(MINI_FLUX)

@@ -80,7 +80,8 @@ class VAEConfig:
     ``quant_conv``: the 1x1 convs around the latent (SD1.5, SDXL); the 16-channel VAEs of SD3 and
     Flux have none. ``fp16_overflow``: the decoder's activations before its GroupNorms exceed fp16's range, as the
     real SDXL VAE's do (the fp16 black image); in fp32 and bf16 the norms bring them back, so the
-    image is unchanged.
+    image is unchanged. ``block_mean``: the hand-built VAE of the reference models, whose latent is each
+    block's mean colour (``tools/modelgen/block_mean_vae.py``) instead of random weights.
     """
 
     in_channels: int = 3
@@ -91,6 +92,7 @@ class VAEConfig:
     z_channels: int = 4
     quant_conv: bool = True
     fp16_overflow: bool = False
+    block_mean: bool = False
 
     @property
     def downscale(self) -> int:
@@ -156,7 +158,9 @@ class CheckpointConfig:
     ``text_encoders`` sit in the checkpoint; ``separate_text_encoders`` in a file of their own
     (``Family.text_encoder_filename``) that ComfyUI's ``CLIPLoader`` loads as ``Family.clip_type``,
     for families whose checkpoint loader would otherwise build a text encoder too large to generate
-    (Flux's T5-XXL). ``vae_prefix``: where the VAE sits in the checkpoint."""
+    (Flux's T5-XXL). ``vae_prefix``: where the VAE sits in the checkpoint. ``trained``: a reference
+    model, whose diffusion model was trained here (``python -m sdopt train-reference``) and ships with
+    sdopt; its model name puts the size first (``ref-sd15``)."""
 
     diffusion_model: DiffusionModelConfig
     text_encoders: tuple[TextEncoderConfig, ...]
@@ -164,6 +168,7 @@ class CheckpointConfig:
     image_size: int = 512
     vae_prefix: str = VAE_PREFIX
     separate_text_encoders: tuple[TextEncoderConfig, ...] = ()
+    trained: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,8 @@ class Family:
     clip_type: str = "stable_diffusion"
 
     def model_name(self, size: str) -> str:
+        if self.sizes[size].trained:
+            return f"{size}-{self.name}"
         return size if self.bare_sizes else f"{self.name}-{size}"
 
     @property

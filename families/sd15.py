@@ -34,6 +34,16 @@ SD15 = Family(
             VAEConfig(),
         ),
         "full": CheckpointConfig(UNetConfig(), (CLIP_L,), VAEConfig()),
+        # The reference model (tools/reference): the smallest UNet ComfyUI detects as SD15 (one level, the
+        # cross-attention ComfyUI reads the context width from, no middle block), trained on 64x64 scenes
+        # (an 8x8 latent) through the block-mean VAE.
+        "ref": CheckpointConfig(
+            UNetConfig(channel_mult=(1,), num_res_blocks=1, transformer_depth=(1,), transformer_depth_middle=-2),
+            (CLIP_L,),
+            VAEConfig(block_mean=True),
+            image_size=64,
+            trained=True,
+        ),
     },
     latent=LatentFormat(channels=4, scale=0.18215),
     call=DiffusionCall(),

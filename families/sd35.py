@@ -56,6 +56,15 @@ SD35 = Family(
             image_size=1024,
         ),
         "full": CheckpointConfig(MMDiTConfig(depth=38), (CLIP_L, CLIP_G), VAE_16, image_size=1024),
+        # The reference model (tools/reference): an SD3 MMDiT of 4 joint blocks 256 wide, its stored
+        # position grid cut to what 64x64 scenes (4x4 patches) need, trained through the block-mean VAE.
+        "ref": CheckpointConfig(
+            MMDiTConfig(depth=4, pos_embed_max_size=8),
+            (CLIP_L,),
+            VAEConfig(z_channels=16, quant_conv=False, block_mean=True),
+            image_size=64,
+            trained=True,
+        ),
     },
     latent=LatentFormat(channels=16, scale=1.5305, shift=0.0609),
     call=DiffusionCall(vector="y", vector_parts=VECTOR, runs_wrappers=False),

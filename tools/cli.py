@@ -1,4 +1,4 @@
-"""Command line: ``python -m sdopt {make-model,make-lora,run,serve,soak,bench,plan,doctor,cache} ...``.
+"""Command line: ``python -m sdopt {make-model,make-lora,train-reference,run,serve,soak,bench,plan,doctor,cache} ...``.
 
 Problems with the user's input are raised as ``UserError`` and printed as one line
 (``sdopt: error: ...``) with exit status 2, never as a traceback.
@@ -18,6 +18,7 @@ from .bench_suite import SUITE_LIMIT_S
 from .memory_mode import ENVIRONMENT as MEMORY_MODE_ENVIRONMENT, MODES as MEMORY_MODES
 from ..families import MODEL_NAMES, resolve_model
 from .modelgen import CHECKPOINT_DTYPES, SIZES
+from .reference.command import add_train_reference
 from .soak import DEFAULT_MODELS as SOAK_MODELS, DEFAULT_PROMPTS as SOAK_PROMPTS, DEFAULT_WARMUP as SOAK_WARMUP
 
 
@@ -122,6 +123,13 @@ def _bench_speed(args: argparse.Namespace) -> None:
     _print_rows("\n\n".join(filter(None, [speed_table(rows), step_profile_table(step_profiles(rows)), step_category_table(step_profiles(rows))])), rows, args.json)
     if args.plot:
         print(save_plot(rows, args.plot) or f"wrote {args.plot}")
+
+
+def _bench_quality(args: argparse.Namespace) -> None:
+    from .bench_quality import bench_quality, quality_table
+
+    rows = bench_quality(args.comfyui, args.model, images=args.images, rungs=args.rungs, models=args.models)
+    _print_rows(quality_table(rows), rows, args.json)
 
 
 def _bench_resolutions(args: argparse.Namespace) -> None:
@@ -332,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--dtype", choices=CHECKPOINT_DTYPES, default="fp16")
     lora.set_defaults(handler=_make_lora)
 
+    add_train_reference(commands)
+
     run = commands.add_parser("run", help="run a ComfyUI workflow headless, with sdopt loaded, and profile it")
     run.add_argument("workflow", type=Path, help="workflow JSON, UI or API format")
     run.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
@@ -420,6 +430,16 @@ def build_parser() -> argparse.ArgumentParser:
         "times that do not depend on the rungs' order (one model load per rung)"))
     _add_comfyui_bench_options(speed)
     speed.set_defaults(handler=_bench_speed)
+    quality = bench_kinds.add_parser("quality", help=(
+        "on a reference model: each setting's prompt accuracy, PSNR and SSIM against stock, model calls and speed, "
+        "beside stock at fewer steps"))
+    quality.add_argument("--model", default="ref-sd15", help="a reference model (trained here): ref-sd15")
+    quality.add_argument("--images", type=int, default=32, help="(caption, seed) pairs per rung")
+    quality.add_argument("--rungs", nargs="+", help="default: every rung this model and device run (stock always)")
+    quality.add_argument("--comfyui", type=Path, default=os.environ.get("COMFYUI_PATH"), help="default: $COMFYUI_PATH")
+    quality.add_argument("--models", type=Path, help="folder with checkpoints/ (default: ComfyUI's models folder)")
+    quality.add_argument("--json", type=_output_file, help="write the rows as JSON")
+    quality.set_defaults(handler=_bench_quality)
     resolutions = bench_kinds.add_parser(
         "resolutions", help="stock ComfyUI vs sdopt's low-memory stack per image size: time, peak memory, OOM, planner prediction"
     )

@@ -6,11 +6,15 @@ import os
 from pathlib import Path
 
 from ...errors import UserError
+import torch
+
 from ...families import MODEL_NAMES, UNET_PREFIX, checkpoint_config, resolve_model
 from .architectures import diffusion_model_specs
+from .block_mean_vae import block_mean_vae_tensors
 from .files import CheckpointSummary, checked_out_path, write_safetensors
 from .specs import TensorSpec, param_count
 from .text_encoders import text_encoder_specs
+from .trained import load_trained
 from .vae import vae_ldm_specs
 
 # The model names the generator knows (bench_* import this name).
@@ -24,6 +28,19 @@ def checkpoint_specs(name: str) -> dict[str, TensorSpec]:
     parts += [(text.prefix, text_encoder_specs(text)) for text in cfg.text_encoders]
     parts.append((cfg.vae_prefix, vae_ldm_specs(cfg.vae)))
     return {prefix + key: spec for prefix, part in parts for key, spec in part.items()}
+
+
+def given_tensors(name: str) -> dict[str, torch.Tensor]:
+    """The tensors of model ``name``'s checkpoint that are not random (full keys): a reference model's
+    shipped diffusion model and its block-mean VAE; empty for the generated models."""
+    family, _ = resolve_model(name)
+    cfg = checkpoint_config(name)
+    given: dict[str, torch.Tensor] = {}
+    if cfg.trained:
+        given.update({UNET_PREFIX + key: tensor for key, tensor in load_trained(name).items()})
+    if cfg.vae.block_mean:
+        given.update({cfg.vae_prefix + key: tensor for key, tensor in block_mean_vae_tensors(cfg.vae, family.latent).items()})
+    return given
 
 
 def separate_text_encoder_specs(name: str) -> dict[str, TensorSpec]:
@@ -79,7 +96,7 @@ def write_checkpoint(
         )
     path, specs = write_safetensors(
         checkpoint_specs(name), path, metadata, seed=seed, dtype=dtype, desc=f"sdopt {name} checkpoint",
-        progress=progress,
+        progress=progress, given=given_tensors(name),
     )
     file_bytes = path.stat().st_size + (text_file.stat().st_size if text_file else 0)
     return CheckpointSummary(path, name, seed, dtype, len(specs) + len(text_specs),

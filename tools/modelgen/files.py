@@ -8,6 +8,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from collections.abc import Mapping
+
 import torch
 
 from ...errors import UserError
@@ -63,9 +65,10 @@ def _safetensors_header(specs: dict[str, TensorSpec], dtype: torch.dtype, metada
 
 def write_safetensors(
     specs: dict[str, TensorSpec], out: str | os.PathLike, metadata: dict[str, str], *, seed: int, dtype: str,
-    desc: str, progress: bool,
+    desc: str, progress: bool, given: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[Path, dict[str, TensorSpec]]:
     """Generate ``specs`` into the safetensors file ``out``; returns its path and the specs in file order.
+    Keys in ``given`` take its tensors (a reference model's trained and hand-built parts) instead.
 
     Tensors are generated and streamed one at a time, so peak memory is one tensor,
     not the model. The file appears only when complete: it is written under a temporary
@@ -90,7 +93,8 @@ def write_safetensors(
         with os.fdopen(descriptor, "wb") as file:
             file.write(_safetensors_header(specs, torch_dtype, metadata))
             for key, spec in progress_bar(specs.items(), desc=desc, unit="tensor", disable=not progress):
-                file.write(generate_tensor(key, spec, seed, torch_dtype).numpy())
+                tensor = given[key].to(torch_dtype) if given and key in given else generate_tensor(key, spec, seed, torch_dtype)
+                file.write(tensor.contiguous().numpy())
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)

@@ -66,9 +66,11 @@ def unet_ldm_specs(cfg: UNetConfig) -> dict[str, TensorSpec]:
             skip_channels.append(channels)
             block += 1
 
-    _unet_res_block(b, "middle_block.0", channels, channels, temb)
-    _unet_spatial_transformer(b, "middle_block.1", channels, cfg.transformer_depth_middle, cfg)
-    _unet_res_block(b, "middle_block.2", channels, channels, temb)
+    if cfg.transformer_depth_middle >= -1:
+        _unet_res_block(b, "middle_block.0", channels, channels, temb)
+    if cfg.transformer_depth_middle >= 0:
+        _unet_spatial_transformer(b, "middle_block.1", channels, cfg.transformer_depth_middle, cfg)
+        _unet_res_block(b, "middle_block.2", channels, channels, temb)
 
     block = 0
     for level in reversed(range(len(cfg.channel_mult))):
@@ -100,10 +102,11 @@ def _transformer_layers_per_block(unet: UNetConfig) -> int | list[int]:
     """diffusers' ``transformer_layers_per_block``: one number where every attention level and the
     middle have the same depth (SD1.5, as diffusers reads LDM configs), else one per level (SDXL),
     and then diffusers gives the middle block the last level's depth."""
-    depths = {depth for depth in unet.transformer_depth if depth} | {unet.transformer_depth_middle}
+    middle = {unet.transformer_depth_middle} if unet.transformer_depth_middle >= 0 else set()
+    depths = {depth for depth in unet.transformer_depth if depth} | middle
     if len(depths) == 1:
         return depths.pop()
-    if unet.transformer_depth_middle != unet.transformer_depth[-1]:
+    if middle and unet.transformer_depth_middle != unet.transformer_depth[-1]:
         raise ValueError(
             f"diffusers cannot build a middle depth of {unet.transformer_depth_middle} under a last level of "
             f"{unet.transformer_depth[-1]}"
@@ -140,6 +143,10 @@ def diffusers_unet_config(name: str) -> dict:
         "attention_head_dim": [unet.heads(width) for width in widths] if unet.num_head_channels else unet.num_heads,
         "transformer_layers_per_block": _transformer_layers_per_block(unet),
     }
+    if unet.transformer_depth_middle == -2:
+        config["mid_block_type"] = None
+    elif unet.transformer_depth_middle == -1:
+        raise UserError(f"{name}: diffusers has no middle block of one ResBlock alone")
     if unet.use_linear_in_transformer:
         config["use_linear_projection"] = True
     if unet.output_depth != unet.transformer_depth:

@@ -27,7 +27,7 @@ def test_every_model_name_and_file_name_leads_back_to_its_family_and_size():
 def test_only_sd15_answers_to_a_bare_size():
     assert resolve_model("mini") == (SD15, "mini")
     assert resolve_model("sdxl-mini") == (SDXL, "mini")
-    with pytest.raises(UserError, match=r"^unknown model 'sd15-mini': choose one of tiny, mini, full, sdxl-tiny"):
+    with pytest.raises(UserError, match=r"^unknown model 'sd15-mini': choose one of tiny, mini, full, ref-sd15, sdxl-tiny"):
         resolve_model("sd15-mini")
 
 
