@@ -58,7 +58,7 @@ test: comfyui $(MINI) $(MINI_SDXL)
 	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadfile tests/unit
 	$(TEST_ENV) $(PY) -m pytest tests/host tests/browser tests/gpu
 
-demo: comfyui $(REF_SD15)
+demo: comfyui $(REF_SD15) $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
 
 serve: comfyui $(MINI) $(MINI_SDXL) $(MINI_SD35) $(MINI_FLUX)

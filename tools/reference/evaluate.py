@@ -39,6 +39,12 @@ def sample_images(model, clip, vae, pairs: list[tuple[Scene, int]], sampling: Sa
     prompt as the negative."""
     import nodes
 
+    # As ComfyUI's executor runs every node: no autograd graph is built.
+    with torch.inference_mode():
+        return _sample_images(nodes, model, clip, vae, pairs, sampling)
+
+
+def _sample_images(nodes, model, clip, vae, pairs, sampling: Sampling) -> torch.Tensor:
     encode = nodes.CLIPTextEncode().encode
     negative = encode(clip, "")[0]
     latents = []

@@ -83,7 +83,7 @@ def plot_losses(result: TrainingResult, path: Path) -> Path:
     figure, axes = plt.subplots(figsize=(7, 3.5))
     axes.plot(result.losses, color="#bbb", linewidth=0.6, label="per step")
     axes.plot(_ema_losses(result.losses), color="#1f5fa8", label="smoothed")
-    axes.set(xlabel="step", ylabel="weighted epsilon MSE", yscale="log",
+    axes.set(xlabel="step", ylabel="min-SNR-weighted MSE of the model output", yscale="log",
              title=f"{result.model}: {result.config.steps} steps of {result.config.batch}, {result.seconds / 60:.1f} min")
     axes.legend()
     figure.tight_layout()
@@ -226,9 +226,10 @@ def train_reference(model: str, config: TrainingConfig | None = None, *, weights
             noisy = base.model_sampling.noise_scaling(sigma.view(-1, 1, 1, 1), torch.randn_like(x0), x0)
             denoised = base.apply_model(noisy, sigma, **inputs)
             # The model's own output error, (denoised - x0) / sigma (SD1.5's epsilon, rectified flow's
-            # velocity), weighted by min(SNR, gamma) / SNR.
+            # velocity), weighted by min(SNR, gamma) / SNR written as min(1, gamma / SNR): rectified flow's
+            # last sigma has an SNR of 0.
             error = ((denoised - x0) / sigma.view(-1, 1, 1, 1)).square().mean(dim=(1, 2, 3))
-            loss = (torch.clamp(snr[t], max=config.min_snr_gamma) / snr[t] * error).mean()
+            loss = (torch.clamp(config.min_snr_gamma / snr[t], max=1.0) * error).mean()
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)

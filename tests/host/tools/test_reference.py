@@ -8,42 +8,53 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from sdopt.families import UNET_PREFIX, family_of_config_class, resolve_model
+from sdopt.families import MODEL_NAMES, UNET_PREFIX, checkpoint_config, family_of_config_class, resolve_model
 from sdopt.nodes.registry import NODE_CLASS_MAPPINGS
 from sdopt.tools.modelgen import ensure_checkpoint
 from sdopt.tools.modelgen.trained import load_trained
 from sdopt.tools.reference.evaluate import caption_accuracy, evaluation_set, sample_images
 from sdopt.tools.reference.scenes import all_scenes, render
 
+REFERENCE_MODELS = [name for name in MODEL_NAMES if checkpoint_config(name).trained]
+# The reference whose images the accuracy checks read: the one that draws its colours (docs/benchmarks.md).
 MODEL = "ref-sd15"
-# Images per check: enough that 90% means something, few enough for the host tier (under a second each).
-IMAGES = 16
+# Images per check: enough that 90% means something, few enough for the host tier (about a second each).
+IMAGES = 12
 # Per node: its accuracy over these may trail stock's by one image at most.
-NODE_IMAGES = 8
+NODE_IMAGES = 4
 MODEL_NODES = [name for name, cls in NODE_CLASS_MAPPINGS.items() if cls.RETURN_TYPES == ("MODEL",)]
+
+
+def _load(comfy_host, name: str):
+    import nodes
+
+    family, size = resolve_model(name)
+    path = ensure_checkpoint(name, comfy_host.models / family.checkpoint_filename(size))
+    return path, nodes.CheckpointLoaderSimple().load_checkpoint(path.name)[:3]
 
 
 @pytest.fixture(scope="module")
 def reference(comfy_host):
-    import nodes
-
-    family, size = resolve_model(MODEL)
-    path = ensure_checkpoint(MODEL, comfy_host.models / family.checkpoint_filename(size))
-    return path, nodes.CheckpointLoaderSimple().load_checkpoint(path.name)[:3]
+    return _load(comfy_host, MODEL)
 
 
-def test_the_checkpoint_holds_the_shipped_weights(reference):
-    path, _ = reference
-    shipped = load_trained(MODEL)
+@pytest.fixture(scope="module", params=REFERENCE_MODELS)
+def each_reference(request, comfy_host):
+    return request.param, *_load(comfy_host, request.param)
+
+
+def test_the_checkpoint_holds_the_shipped_weights(each_reference):
+    name, path, _ = each_reference
+    shipped = load_trained(name)
     with safe_open(str(path), "pt") as file:
         written = {key.removeprefix(UNET_PREFIX): file.get_tensor(key) for key in file.keys() if key.startswith(UNET_PREFIX)}
     assert written.keys() == shipped.keys()
     assert all(torch.equal(written[key], shipped[key].half()) for key in shipped)
 
 
-def test_comfyui_loads_it_as_its_family_and_its_vae_round_trips_a_scene(reference):
-    _, (model, _, vae) = reference
-    assert family_of_config_class(type(model.model.model_config)) is resolve_model(MODEL)[0]
+def test_comfyui_loads_it_as_its_family_and_its_vae_round_trips_a_scene(each_reference):
+    name, _, (model, _, vae) = each_reference
+    assert family_of_config_class(type(model.model.model_config)) is resolve_model(name)[0]
     image = torch.tensor(list(render(all_scenes()[5], 0).getdata()), dtype=torch.float32).reshape(1, 64, 64, 3) / 255
     torch.testing.assert_close(vae.decode(vae.encode(image)), image, atol=1e-3, rtol=0)
 
