@@ -163,14 +163,16 @@ def bench_quality(comfyui: Path, model: str = "ref-sd15", *, images: int = 32, r
     names.insert(0, STOCK)
 
     def sample(model, steps: int, counted: bool):
-        counter = ModelCallCounter(base.model.diffusion_model) if counted else None
+        # The rung's own diffusion model: a node that runs a private copy (Precision) has modules of its own.
+        counter = ModelCallCounter(model.model.diffusion_model) if counted else None
         start = time.perf_counter()
         if counter is None:
             result = sample_images(model, clip, vae, pairs, _with_steps(sampling, steps))
         else:
             with counter:
                 result = sample_images(model, clip, vae, pairs, _with_steps(sampling, steps))
-        return result, time.perf_counter() - start, None if counter is None else counter.calls
+        # No call seen: the rung ran modules no hook was on (a copy made at load time), so it is not counted.
+        return result, time.perf_counter() - start, counter.calls if counter is not None and counter.calls else None
 
     rows: list[QualityRow] = []
     reference = stock_seconds = None
