@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...errors import UserError
 import torch
 
+from ...errors import UserError
 from ...families import MODEL_NAMES, UNET_PREFIX, checkpoint_config, resolve_model
 from .architectures import diffusion_model_specs
 from .block_mean_vae import block_mean_vae_tensors

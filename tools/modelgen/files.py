@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-from collections.abc import Mapping
 
 import torch
 

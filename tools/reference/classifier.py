@@ -58,7 +58,7 @@ class AttributeClassifier(nn.Module):
         return {name: head(hidden) for name, head in self.heads.items()}
 
 
-def _renders(scenes: list[Scene], seeds: list[int]) -> torch.Tensor:
+def renders(scenes: list[Scene], seeds: list[int]) -> torch.Tensor:
     """The renders of (scene, seed) pairs as ``[N, 3, 64, 64]`` floats in [0, 1]."""
     images = [render(scene, seed) for scene, seed in zip(scenes, seeds)]
     width, height = images[0].size
@@ -115,7 +115,7 @@ def held_out(count: int | None = None) -> tuple[list[Scene], torch.Tensor]:
     scenes = list(all_scenes())
     if count is not None:
         scenes = scenes[::max(1, len(scenes) // count)][:count]
-    return scenes, _renders(scenes, [HELD_OUT_SEED + index for index in range(len(scenes))])
+    return scenes, renders(scenes, [HELD_OUT_SEED + index for index in range(len(scenes))])
 
 
 def train_classifier(path: Path | str = WEIGHTS, *, steps: int = 2000, batch: int = 128, seed: int = 0,
@@ -125,7 +125,7 @@ def train_classifier(path: Path | str = WEIGHTS, *, steps: int = 2000, batch: in
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     scenes = [scene for scene in all_scenes() for _ in range(TRAIN_SEEDS)]
-    cells = F.adaptive_avg_pool2d(_renders(scenes, list(range(TRAIN_SEEDS)) * len(all_scenes())), GRID)
+    cells = F.adaptive_avg_pool2d(renders(scenes, list(range(TRAIN_SEEDS)) * len(all_scenes())), GRID)
     labels = _labels(scenes)
     model = AttributeClassifier()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)

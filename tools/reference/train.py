@@ -4,8 +4,8 @@ The model is the one ComfyUI builds from the reference checkpoint (``make-model`
 weights from seed 0), conditioned on each caption as ComfyUI's CLIPTextEncode encodes it with the
 checkpoint's own text encoder, and trained on the latents the block-mean VAE gives the scenes, with the
 family's own noise schedule and prediction, through ComfyUI's ``apply_model`` (SD1.5: DDPM's epsilon; SD3:
-rectified flow's velocity at its shifted sigmas), so KSampler samples it as it samples the family. A tenth of the captions are dropped to the empty prompt, so classifier-free guidance works.
-What is shipped is the weights' exponential moving average, stored as ``modelgen.trained`` stores it.
+rectified flow's velocity at its shifted sigmas), so KSampler samples it as it samples the family. A tenth
+of the captions are dropped to the empty prompt, so classifier-free guidance works. What is shipped is the weights' exponential moving average, stored as ``modelgen.trained`` stores it.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from ..modelgen.checkpoint import checkpoint_specs
 from ..modelgen.files import write_safetensors
 from ..modelgen.trained import file_sha256, save_trained, weights_path
 from ..progress import progress_bar
-from .scenes import all_scenes, render
+from .classifier import renders
+from .scenes import all_scenes
 
 # Modules the LDM initialises to zero (its zero_module): each residual branch's last conv, each
 # transformer's output projection, the model's output conv. A new branch then starts as the identity.
@@ -97,11 +98,9 @@ def _training_pool(model: str):
     """The scenes, and per scene ``_RENDERS_PER_SCENE`` latents (model space) of renders with seeds 0..3."""
     family, _ = resolve_model(model)
     scenes = all_scenes()
-    images = torch.stack([
-        torch.tensor(list(render(scene, seed).getdata()), dtype=torch.float32).reshape(64, 64, 3) / 255
-        for scene in scenes for seed in range(_RENDERS_PER_SCENE)
-    ])
-    latents = block_mean_latent(images, family.latent)
+    pairs = [(scene, seed) for scene in scenes for seed in range(_RENDERS_PER_SCENE)]
+    images = renders([scene for scene, _ in pairs], [seed for _, seed in pairs])
+    latents = block_mean_latent(images.movedim(1, -1), family.latent)
     return scenes, latents.reshape(len(scenes), _RENDERS_PER_SCENE, *latents.shape[1:])
 
 

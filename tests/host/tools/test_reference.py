@@ -11,7 +11,8 @@ from safetensors import safe_open
 from sdopt.families import MODEL_NAMES, UNET_PREFIX, checkpoint_config, family_of_config_class, resolve_model
 from sdopt.tools.modelgen import ensure_checkpoint
 from sdopt.tools.modelgen.trained import load_trained
-from sdopt.tools.reference.scenes import all_scenes, render
+from sdopt.tools.reference.classifier import renders
+from sdopt.tools.reference.scenes import all_scenes
 
 REFERENCE_MODELS = [name for name in MODEL_NAMES if checkpoint_config(name).trained]
 
@@ -41,5 +42,5 @@ def test_the_checkpoint_holds_the_shipped_weights(each_reference):
 def test_comfyui_loads_it_as_its_family_and_its_vae_round_trips_a_scene(each_reference):
     name, _, (model, _, vae) = each_reference
     assert family_of_config_class(type(model.model.model_config)) is resolve_model(name)[0]
-    image = torch.tensor(list(render(all_scenes()[5], 0).getdata()), dtype=torch.float32).reshape(1, 64, 64, 3) / 255
+    image = renders([all_scenes()[5]], [0]).movedim(1, -1)
     torch.testing.assert_close(vae.decode(vae.encode(image)), image, atol=1e-3, rtol=0)
