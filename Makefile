@@ -56,7 +56,7 @@ $(REF_SD15): | comfyui
 TEST_ENV = COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints
 test: comfyui $(MINI) $(MINI_SDXL)
 	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadfile tests/unit
-	$(TEST_ENV) $(PY) -m pytest tests/host tests/browser tests/gpu
+	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadfile tests/host tests/browser tests/gpu
 
 demo: comfyui $(REF_SD15) $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json

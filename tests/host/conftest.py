@@ -210,7 +210,10 @@ class ComfyHostFixture:
                     tensors[f"{prefix}.lora_down.weight"] = torch.randn(4, *param.shape[1:], generator=generator) * 0.05
                     tensors[f"{prefix}.lora_up.weight"] = torch.randn(param.shape[0], 4, *[1] * (param.ndim - 2), generator=generator) * 0.05
             folder.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(folder / name))
+            # Written aside and renamed: another pytest worker may be reading the name.
+            partial = folder / f".{name}.{os.getpid()}.tmp"
+            save_file(tensors, str(partial))
+            os.replace(partial, folder / name)
         folder_paths.add_model_folder_path("loras", str(folder))
         return name
 
