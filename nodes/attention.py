@@ -9,7 +9,7 @@ import torch
 
 from ..errors import Unavailable
 from ..measure.profiler import active_run
-from ..optim.attention import AUTO, AUTO_NOTE, LOW_MEMORY, LOW_MEMORY_NOTE, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, attention_memory_is_linear, backend_names, build_attention, expected_backend, get_backend, packed_heads, runs_low_precision, summarize_decisions
+from ..optim.attention import AUTO, LOW_MEMORY, SELECTIONS, AttentionConfig, NoAttentionBackend, attention_choices, attention_memory_is_linear, build_attention, expected_backend, packed_heads, runs_low_precision, summarize_decisions
 from . import environment, patching
 from .base import PatchNode
 from .inputs import on_unavailable_input
@@ -24,14 +24,17 @@ DELEGATED = ("calls with a custom scale, grouped-query attention, a request for 
              "backend) or inputs no sdopt backend takes ran ComfyUI's own function")
 
 
+BACKEND_TOOLTIP = (f"{AUTO}: the fastest exact backend, timed on the first call of each shape. {LOW_MEMORY}: exact, in "
+                   "the least memory. The others force one backend.")
+
+
 def attention_inputs() -> dict:
     """The inputs both attention nodes share, with tooltips."""
-    backends = "\n".join([f"{AUTO}: {AUTO_NOTE}", f"{LOW_MEMORY}: {LOW_MEMORY_NOTE}"] + [f"{name}: {get_backend(name).description}" for name in backend_names()])
     return {
-        "backend": (list(attention_choices()), {"default": AUTO, "tooltip": backends}),
-        "on_unavailable": on_unavailable_input("fallback: use sdpa (or sub_quadratic, naive) and say so in the report; error: stop with the reason"),
-        "slice_size": ("INT", {"default": 0, "min": 0, "max": 1 << 20, "tooltip": "query tokens per slice for 'sliced'; 0 = from the memory budget"}),
-        "memory_budget_mb": ("INT", {"default": 32, "min": 1, "max": 1 << 20, "tooltip": "score memory of one slice or chunk for 'sliced' and 'sub_quadratic' (and low_memory's sub_quadratic)"}),
+        "backend": (list(attention_choices()), {"default": AUTO, "tooltip": BACKEND_TOOLTIP}),
+        "on_unavailable": on_unavailable_input("fallback: run sdpa instead and say so in the report; error: stop with the reason."),
+        "slice_size": ("INT", {"default": 0, "min": 0, "max": 1 << 20, "tooltip": "Query tokens per slice for sliced; 0 = sized from memory_budget_mb."}),
+        "memory_budget_mb": ("INT", {"default": 32, "min": 1, "max": 1 << 20, "tooltip": "Score memory in MiB of one slice or chunk, for sliced, sub_quadratic and low_memory's chunks."}),
     }
 
 
@@ -80,10 +83,8 @@ def comfy_attention_override(attention, report, low_precision: bool = False):
 
 class SDOptAttention(PatchNode):
     DESCRIPTION = (
-        "Runs the diffusion model's attention through an sdopt backend: sdpa (forced kernels too), xformers, sage, "
-        "flash_attn, sliced, sub_quadratic, naive, low_memory (exact attention in the least memory), or auto (times "
-        "the available exact ones on the first call and keeps the fastest that matches naive; sage, which quantizes, "
-        "only by name). Returns a patched clone. A backend that cannot run falls back with a note, or raises."
+        "Runs the diffusion model's attention through the backend you pick, on a copy. auto times the exact "
+        "backends on the first call of each shape and keeps the fastest; low_memory uses the least memory."
     )
 
     @classmethod

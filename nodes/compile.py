@@ -154,27 +154,20 @@ CHAIN_MEMBER = CompileMember()
 
 class SDOptCompile(PatchNode):
     DESCRIPTION = (
-        "Compiles the diffusion model on its first steps (the first call of each resolution runs eagerly, the next "
-        "compiles): compile (torch.compile of the whole UNet), compile_regional (each repeated block class compiled "
-        "and shared by its instances) or trace (torch.jit.trace). Steps, seed, sampler, scheduler, CFG and prompt "
-        "never recompile while the input shapes stay the same; a new resolution compiles once, and so do CFG exactly "
-        "1 (no uncond batch) and a prompt that needs another 77-token chunk. LoRA and other weight changes are used "
-        "without recompiling. Compiled code is cached on disk per architecture, torch version and settings "
-        "(python -m sdopt cache list|purge). Where ComfyUI's attention would split the compiled graph or freeze "
-        "free-memory chunk sizes into a trace (on a CPU), "
-        "attention runs through sdopt's sdpa unless an sdopt Attention node sets it. Put sdopt CUDA Graph after or "
-        "before it for the fast path."
+        "Compiles the diffusion model on its first steps (torch.compile, per block class, or a trace); later "
+        "steps at the same size run faster. LoRA and weight changes need no recompile. Put sdopt CUDA Graph after "
+        "it."
     )
 
     @classmethod
     def inputs(cls):
         return {
-            "mode": (list(MODES), {"default": "compile", "tooltip": "compile: whole UNet. compile_regional: each repeated block class, once per weight shape (and per block position where a patch or another pack's attention override reads it); on SD1.5 it compiles more (11 compilations, a little longer than the whole UNet) and recompiles per resolution; it pays off where repeated blocks share one shape. trace: torch.jit.trace per resolution."}),
+            "mode": (list(MODES), {"default": "compile", "tooltip": "compile: the whole model. compile_regional: each repeated block class once, shorter where blocks share a shape (DiTs). trace: torch.jit.trace per resolution."}),
             "backend": (list(BACKENDS), {"default": "inductor", "tooltip": "torch.compile backend (compile modes only)."}),
             "compile_mode": (list(COMPILE_MODES), {"default": "default", "tooltip": "inductor mode. Prefer default or max-autotune-no-cudagraphs with sdopt CUDA Graph: reduce-overhead makes its own graphs."}),
             "dynamic": ("BOOLEAN", {"default": False, "tooltip": "Dynamic shapes: one compile for all resolutions, slower code."}),
             "fullgraph": ("BOOLEAN", {"default": False, "tooltip": "Fail on a graph break instead of splitting the graph."}),
-            "on_unavailable": on_unavailable_input("When this machine cannot compile (no Triton, no C++ compiler), or ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model: run eager with a note in the report, or stop with an error."),
+            "on_unavailable": on_unavailable_input("Where it cannot compile (no Triton or C++ compiler; dynamic VRAM without a non-dynamic copy): fallback runs eager with a note, error stops."),
         }
 
     def patch(self, model, mode, backend, compile_mode, dynamic, fullgraph, on_unavailable):

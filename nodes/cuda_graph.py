@@ -35,17 +35,15 @@ CHAIN_MEMBER = GraphMember()
 
 class SDOptCUDAGraph(PatchNode):
     DESCRIPTION = (
-        "Captures the diffusion model's step into a CUDA graph on first use and replays it: one graph per "
-        "resolution and batch, at most max_graphs kept. Weight changes (LoRA, strength, reload) recapture; "
-        "ControlNet, attention patches and partially loaded models run eagerly, as the report says. "
-        "With sdopt Compile anywhere in the chain it replays the compiled UNet: the fast path."
+        "Captures the diffusion model's step into a CUDA graph on first use and replays it, one graph per size. "
+        "Weight changes recapture. Put it after sdopt Compile for the fast path."
     )
 
     @classmethod
     def inputs(cls):
         return {
             "max_graphs": ("INT", {"default": 4, "min": 1, "max": 64, "tooltip": "Graphs kept (least recently used dropped first); each holds its own activations."}),
-            "on_unavailable": on_unavailable_input("On a machine without CUDA, or where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model: pass the model through with a note in the report, or stop with an error."),
+            "on_unavailable": on_unavailable_input("Without CUDA, or under dynamic VRAM without a non-dynamic copy: fallback passes the model on unchanged with a note, error stops."),
         }
 
     def patch(self, model, max_graphs, on_unavailable):

@@ -24,10 +24,8 @@ def _comfyui_root() -> str | None:
 
 class SDOptDoctor(SavingNode):
     DESCRIPTION = (
-        "Tries what sdopt needs on this machine, one tiny run each: the device, bf16/fp16/fp8 storage and compute, every "
-        "attention backend against sdpa, an inductor compile, a CUDA graph capture, ComfyUI's version and memory mode, "
-        "sdopt's compile cache, and which modes of each sdopt node run here. Each row gives the result and, for what "
-        "does not work, the fix. Same as `python -m sdopt doctor`; it re-runs on every queue."
+        "Tries what sdopt needs on this machine, one tiny run each: device, dtypes, attention backends, compile, "
+        "CUDA graphs, ComfyUI, and each sdopt node's modes. Each row gives the result and the fix."
     )
     FUNCTION = "examine"
     PREFIX_DEFAULT, PREFIX_TOOLTIP = "sdopt/doctor", "Where the JSON rows are saved, under the output folder."

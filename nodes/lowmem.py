@@ -22,10 +22,9 @@ NODE = "SDOptLowMemory"
 
 class SDOptLowMemory(PatchNode):
     DESCRIPTION = (
-        "Runs the diffusion model so that each operation stays within a working-memory budget: cond and uncond one "
-        "after the other, GroupNorm in chunks (statistics first), convolutions and feed-forwards over slices, and "
-        "exact attention in linear memory (PyTorch's fused sdpa kernels, else sub-quadratic chunks sized from the budget). The output equals the normal one to float rounding; use it "
-        "when activations, not weights, run out of memory at large resolutions."
+        "Runs the diffusion model within a working-memory budget per operation: cond and uncond in turn, chunked "
+        "GroupNorm, sliced convolutions, exact linear-memory attention. Same output to float rounding; for large "
+        "images where activations run out of memory."
     )
 
     @classmethod

@@ -117,10 +117,8 @@ def _passed_through(model, requested: str, note: str, short: str):
 
 class SDOptOffload(PatchNode):
     DESCRIPTION = (
-        "Chooses how many of this model's weights stay in VRAM while it samples: none (all resident), budget (at most "
-        "budget_mb resident, the rest streamed layer by layer with the next copy overlapping compute), sequential (stream "
-        "everything: least VRAM, slowest), or unload_after (free the weights when sampling ends). Works through ComfyUI's "
-        "model management; on a CPU it does nothing and says so."
+        "Chooses how many of this model's weights stay in VRAM while it samples: none keeps all, budget at most "
+        "budget_mb (the rest streamed layer by layer), sequential streams every layer, unload_after frees them afterwards."
     )
 
     @classmethod
@@ -128,7 +126,7 @@ class SDOptOffload(PatchNode):
         return {
             "mode": (list(MODES), {"default": "budget", "tooltip": "none: all weights resident; budget: at most budget_mb resident; sequential: stream every layer; unload_after: free VRAM when sampling ends."}),
             "budget_mb": ("INT", {"default": 1024, "min": 0, "max": 1 << 20, "tooltip": "budget mode: MiB of this model's weights that may stay in VRAM."}),
-            "on_unavailable": on_unavailable_input("On a CPU (nothing to offload), or where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model (ComfyUI keeps streaming it): pass the model through with a note (fallback) or stop with an error."),
+            "on_unavailable": on_unavailable_input("On a CPU, or under dynamic VRAM without a non-dynamic copy: fallback leaves the model as it is with a note, error stops."),
         }
 
     def patch(self, model, mode, budget_mb, on_unavailable):

@@ -50,27 +50,23 @@ def _tf32_sampling(executor, *args, **kwargs):
 
 class SDOptPrecision(PatchNode):
     DESCRIPTION = (
-        "Weight storage dtype, compute dtype, TF32 and channels-last for the diffusion model, on a copy: the input "
-        "model is never changed. auto picks what this device runs fast and accurately: fp16 on CUDA (bf16 where "
-        "the model prefers it); on a CPU "
-        "bf16 only where it measured faster than fp32. The report says what was picked and why."
+        "Sets the diffusion model's weight and compute dtypes, TF32 and channels-last convolutions, on a copy. "
+        "auto picks what this device runs fast and accurately; the report says what it picked and why."
     )
 
     @classmethod
     def inputs(cls):
         return {
             "weight_dtype": ([AUTO, DEFAULT, *WEIGHT_DTYPES], {"default": AUTO, "tooltip": (
-                "How the UNet weights are stored. auto: fp16 on CUDA (bf16 for a model that prefers it, such as Flux), on a CPU bf16 where it measured faster than fp32, "
-                "else fp32; weights loaded narrower (fp8) stay as loaded and compute in that pick. default: as loaded. fp8: stored in 8 bits and upcast per layer (saves memory, not time).")}),
+                "How the weights are stored. auto: fp16 on CUDA (bf16 where the model prefers it), on a CPU bf16 "
+                "where faster, else fp32.")}),
             "compute_dtype": ([DEFAULT, *COMPUTE_DTYPES, FP8_MATMUL], {"default": DEFAULT, "tooltip": (
-                "The dtype the UNet computes in. default: the new weight dtype where the device computes in it, "
-                "otherwise what the model computes in now. fp8_matmul (with weight_dtype fp8_e4m3fn, where torch._scaled_mm "
-                "runs: NVIDIA GPUs of compute capability 8.9+, and a CPU, in its fp32 emulation, to check numbers): Linear layers multiply in fp8 "
-                "(activations scaled per call), the rest in bf16 on CUDA (fp16 where bf16 does not run), fp32 elsewhere.")}),
+                "The dtype the model computes in. default: the weight dtype where the device computes in it. fp8_matmul: "
+                "fp8 Linear layers (fp8_e4m3fn weights, compute capability 8.9+).")}),
             "tf32": ("BOOLEAN", {"default": False, "tooltip": "Allow TF32 matmuls and convolutions (CUDA, Ampere and newer) during sampling only."}),
             "channels_last": ("BOOLEAN", {"default": False, "tooltip": (
-                "Store the conv weights channels-last (NHWC) in a private copy, so convolutions run channels-last: "
-                "faster on tensor-core GPUs, above all under sdopt Compile. Costs a copy of the UNet in RAM.")}),
+                "Store the conv weights channels-last in a private copy: faster convolutions on tensor-core GPUs, "
+                "above all under sdopt Compile. Costs a copy in RAM.")}),
         }
 
     def patch(self, model, weight_dtype, compute_dtype, tf32, channels_last):

@@ -55,9 +55,8 @@ def _sampler_sample(executor, *args, **kwargs):
 
 class SDOptProfiler(PatchNode):
     DESCRIPTION = (
-        "Profiles every sampling run of this model: sampler total time, per-step times, steady it/s (without the first "
-        "step and the steps in which sdopt compiled or captured a CUDA graph), and peak memory (VRAM on CUDA, process RAM on CPU). Put it last on the MODEL path and add an "
-        "'sdopt Profile Report' node after the sampler to see the results."
+        "Measures every sampling run of this model: step times, steady it/s and peak memory, and what each sdopt "
+        "node ran. Put it last on the MODEL path, with an sdopt Profile Report after the sampler."
     )
     FUNCTION = "apply"
 

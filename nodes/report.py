@@ -53,9 +53,8 @@ def build_report(prompt_id: str, node_id: str, prompt: dict | None) -> Report:
 
 class SDOptProfileReport(SavingNode):
     DESCRIPTION = (
-        "Shows the profile of this prompt's sampling runs as a table and a chart, and saves the JSON report in the "
-        "output folder. Connect the decoded images (or the sampled latent) so it runs after sampling. It re-runs on "
-        "every queue."
+        "Shows this prompt's profile as a table and a chart, and saves the JSON report. Connect the decoded "
+        "images (or the latent) so it runs after sampling. It re-runs on every queue."
     )
     FUNCTION = "report"
     PREFIX_DEFAULT, PREFIX_TOOLTIP = "sdopt/profile", "Where the JSON report and the chart are saved, under the output folder."

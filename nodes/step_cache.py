@@ -91,12 +91,9 @@ CHAIN_MEMBER = StepCacheMember()
 
 class SDOptStepCache(PatchNode):
     DESCRIPTION = (
-        "Step caching. deepcache (SD1.5, SDXL UNets): the whole UNet runs every `interval` model calls, the calls "
-        "between run only its outermost blocks on the deep features the last full call kept; defaults are DeepCache's "
-        "published settings (interval 3, branch 0); composes with sdopt Compile and CUDA Graph. first_block (SD3.5, "
-        "Flux): every call runs the first transformer block, and where its change moved less than `threshold` since the "
-        "last full call the later blocks are skipped; composes with sdopt Compile's compile_regional. The image "
-        "changes: compare it with the uncached one. ControlNet runs uncached."
+        "Reuses part of earlier model calls to skip work: deepcache for UNets (SD1.5, SDXL), first_block for "
+        "diffusion transformers (SD3.5, Flux). The image changes: compare it with the uncached one, and with "
+        "fewer steps."
     )
 
     @classmethod
@@ -107,15 +104,15 @@ class SDOptStepCache(PatchNode):
             "branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip": "deepcache: how many skip levels still run on a cached call, minus one: 0 runs only the outermost blocks (fastest)."}),
             "start": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls before this fraction of the schedule run the whole model."}),
             "end": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls from this fraction of the schedule on run the whole model."}),
-            "on_unavailable": on_unavailable_input("On a model the mode does not fit, or (deepcache) where ComfyUI's dynamic VRAM cannot give this node a non-dynamic copy of the model: pass it through with a note in the report, or stop with an error."),
+            "on_unavailable": on_unavailable_input("On a model the mode does not fit: fallback returns it uncached with a note naming the mode that fits, error stops."),
         }
 
     @classmethod
     def optional_inputs(cls):
         return {
             "threshold": ("FLOAT", {"default": 0.08, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
-                "first_block: the largest relative change between this call's first-block change and the last full call's "
-                "that still skips the later blocks; higher is faster and further from the uncached image, 0 caches nothing.")}),
+                "first_block: the largest relative change of the first block's output that still skips the rest; "
+                "higher is faster and further from uncached, 0 caches nothing.")}),
         }
 
     def patch(self, model, mode, interval, branch, start, end, on_unavailable, threshold=0.08):

@@ -61,9 +61,8 @@ class _TilingAutoencoder:
 
 class SDOptTiledVAE(PatchNode):
     DESCRIPTION = (
-        "Makes VAE Decode and VAE Encode work tile by tile, so big images fit in little memory. GroupNorm uses the "
-        "whole image's statistics, so the result matches the untiled decode (no seams, unlike ComfyUI's tiled "
-        "decode). Returns a copy; the input VAE is unchanged. Composes with sdopt VAE Precision and VAE Attention."
+        "Makes VAE Decode and VAE Encode run tile by tile, so big images fit in little memory. GroupNorm sees the "
+        "whole image, so the result matches the untiled one, with no seams."
     )
     PATCHES = "VAE"
     FUNCTION = "apply"
@@ -80,9 +79,8 @@ class SDOptTiledVAE(PatchNode):
             "only_when_needed": ("BOOLEAN", {"default": True, "tooltip": (
                 "Tile only when the untiled decode/encode is estimated not to fit budget_mb; otherwise run it untiled.")}),
             "budget_mb": ("INT", {"default": 0, "min": 0, "max": 1 << 20, "step": 64, "tooltip": (
-                "Memory the decode/encode may use, in MiB. 0 = the device's free memory when the call starts: VRAM on "
-                "a GPU (within PyTorch's memory fraction, less ComfyUI's --reserve-vram; on ComfyUI 0.38 plus what dynamic VRAM's "
-                "streamed weights would give back, as ComfyUI plans), RAM on a CPU.")}),
+                "Memory the decode/encode may use, in MiB. 0 = the device's free memory when the call starts "
+                "(VRAM on a GPU, RAM on a CPU).")}),
         }
 
     # ComfyUI files a VALIDATE_INPUTS failure under every input the method takes, so it takes only

@@ -36,9 +36,8 @@ def patched_blocks(blocks: list, fn):
 
 class SDOptVAEAttention(PatchNode):
     DESCRIPTION = (
-        "Runs the VAE's attention blocks through an sdopt backend during its decode and encode (tiled too), e.g. "
-        "sub_quadratic or sliced to bound the memory of large decodes. Returns a patched copy; the input VAE keeps "
-        "its attention. The backends and fallback rule are those of sdopt Attention."
+        "Runs the VAE's attention blocks through an sdopt backend while it decodes or encodes, e.g. sub_quadratic "
+        "to bound a large decode's memory. Same backends as sdopt Attention."
     )
     PATCHES = "VAE"
 

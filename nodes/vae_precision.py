@@ -54,9 +54,8 @@ def _guarded(vae, source, requested: str, active: str):
 
 class SDOptVAEPrecision(PatchNode):
     DESCRIPTION = (
-        "VAE dtype and NaN guard, on a copy: the input VAE is never changed. auto: fp16 on CUDA (with the guard), on a "
-        "CPU bf16 where it measured faster than fp32, else fp32. nan_guard redoes any decode/encode whose output has "
-        "NaN/Inf in bf16 where the device runs it, else fp32, and the report counts the redone calls."
+        "Sets the VAE's dtype on a copy (auto: fp16 on CUDA, bf16 or fp32 on a CPU by measurement). nan_guard "
+        "redoes a decode or encode that gives NaN or Inf, the black image, in a safer dtype."
     )
     PATCHES = "VAE"
     FUNCTION = "apply"

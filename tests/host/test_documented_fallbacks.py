@@ -2,7 +2,7 @@
 through, does nothing, stops) against the record it writes in that case, in real ComfyUI on this
 CPU-only host.
 
-The promises are read from the README's node table and from each node's DESCRIPTION: every sentence
+The promises are read from each node's page (``web/docs/<NodeClass>.md``) and its DESCRIPTION: every sentence
 that speaks of ``on_unavailable``, a fallback, a pass-through or doing nothing must have a scenario
 here, keyed by the sentence itself, so that rewording a promise or adding one fails until its
 scenario says what the record now shows. A scenario puts the node where it cannot run and checks
@@ -10,12 +10,11 @@ that the record names what ran instead, why, and the fix, and that ``error`` sto
 fix concerns. That a passed-through model samples as the stock one does is each node's own host test's.
 """
 import re
-from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-NODE_ROW = re.compile(r"^\| \*\*sdopt [^*]+\*\* \(`(?P<node>SDOpt\w+)`\) \| [^|]+ \| (?P<text>.+) \|$", re.M)
+from tests.unit.web.test_docs import page_paragraphs, page_path
+
 PROMISE = re.compile(r"on_unavailable|falls? back|pass(?:es|ed)? (?:the model )?through|does nothing")
 
 
@@ -31,9 +30,10 @@ def sentences(text: str) -> list[str]:
 
 
 def documented_promises(node_classes: dict) -> set[tuple[str, str]]:
-    """(node class, sentence) for every promise in the README's node table and the nodes' DESCRIPTIONs."""
-    texts = [(row["node"], row["text"]) for row in NODE_ROW.finditer(README.read_text())]
-    texts += [(name, getattr(cls, "DESCRIPTION", "")) for name, cls in node_classes.items() if name.startswith("SDOpt")]
+    """(node class, sentence) for every promise in the node pages' paragraphs and the nodes' DESCRIPTIONs."""
+    nodes = [name for name in node_classes if name.startswith("SDOpt")]
+    texts = [(name, paragraph) for name in nodes if page_path(name).is_file() for paragraph in page_paragraphs(page_path(name).read_text())]
+    texts += [(name, getattr(node_classes[name], "DESCRIPTION", "")) for name in nodes]
     return {(node, sentence) for node, text in texts for sentence in sentences(text) if PROMISE.search(sentence)}
 
 
@@ -98,7 +98,7 @@ def offload_on_a_cpu(host):
 
 def offload_without_a_delegate(host):
     """ComfyUI 0.38's dynamic VRAM is not on this host: tests/unit/nodes/test_offload.py fakes its
-    model patcher and holds the record; here the README's promise names that test."""
+    model patcher and holds the record; here the page's promise names that test."""
     from tests.unit.nodes import test_offload
 
     assert callable(test_offload.test_a_dynamic_patcher_without_a_delegate_follows_on_unavailable)
@@ -114,14 +114,23 @@ def attention_backend_unavailable(host):
         node.patch(model, "flash_attn", "error", 0, 1024)
 
 
+def vae_attention_backend_unavailable(host):
+    vae = host.load_checkpoint()[2]
+    node = host.nodes["SDOptVAEAttention"]()
+    (fallen_back,) = node.patch(vae, "flash_attn", "fallback", 0, 1024)
+    (record,) = [r for r in fallen_back.sdopt_records if r["node"] == "SDOptVAEAttention"]
+    assert record["active"] == "sdpa" and "fallback from flash_attn to sdpa" in record["note"], record
+    with refused(host, "^backend: flash_attn cannot run here"):
+        node.patch(vae, "flash_attn", "error", 0, 1024)
+
+
 SCENARIOS = {
-    ("SDOptAttention", "`on_unavailable`: `fallback` (to sdpa"): attention_backend_unavailable,
-    ("SDOptAttention", "A backend that cannot run falls back with a note"): attention_backend_unavailable,
-    ("SDOptCompile", "`on_unavailable` (no Triton, no C++ compiler)"): compile_backend_unavailable,
-    ("SDOptCUDAGraph", "On a CPU `on_unavailable=fallback` passes the model through"): cuda_graph_on_a_cpu,
-    ("SDOptStepCache", "A model the mode does not fit"): step_cache_where_the_mode_does_not_fit,
-    ("SDOptOffload", "On a CPU it does nothing and says so"): offload_on_a_cpu,
-    ("SDOptOffload", "Works through ComfyUI's model management; on a CPU it does nothing"): offload_on_a_cpu,
+    ("SDOptAttention", "**`on_unavailable`**: `fallback` (the default) runs sdpa instead"): attention_backend_unavailable,
+    ("SDOptVAEAttention", "**`on_unavailable`**: as for sdopt Attention"): vae_attention_backend_unavailable,
+    ("SDOptCompile", "**`on_unavailable`**: what happens where this machine cannot compile"): compile_backend_unavailable,
+    ("SDOptCUDAGraph", "**`on_unavailable`**: on a CPU"): cuda_graph_on_a_cpu,
+    ("SDOptStepCache", "**`on_unavailable`**: a model the mode does not fit"): step_cache_where_the_mode_does_not_fit,
+    ("SDOptOffload", "**`on_unavailable`**: on a CPU (nothing to offload)"): offload_on_a_cpu,
     ("SDOptOffload", "On ComfyUI 0.38, whose dynamic VRAM streams"): offload_without_a_delegate,
 }
 

@@ -13,7 +13,7 @@ from sdopt.errors import UserError
 from sdopt.measure.profiler import SamplingRun
 from sdopt.nodes import attention as attention_node
 from sdopt.nodes import environment, patching
-from sdopt.optim.attention import AttentionConfig, backend_function, build_attention, naive_attention
+from sdopt.optim.attention import AUTO_NOTE, AttentionConfig, backend_function, build_attention, naive_attention
 
 from .comfy_fakes import WrappedPatcher, install, keyed_wrappers
 
@@ -161,7 +161,7 @@ def test_attention_node_auto_is_pending_until_sampling(comfy_attention, patcher_
     comfy_attention.wrap_attn = object()
     (m,) = attention_node.SDOptAttention().patch(_attention_model(), "auto", "fallback", 0, 32)
     (record,) = patching.model_records(m.model_options)
-    assert record["active"] == "auto (pending)" and record["note"] == attention_node.AUTO_NOTE
+    assert record["active"] == "auto (pending)" and record["note"] == AUTO_NOTE
     run = SamplingRun("r", "cpu", [record])
     with run.memory_scope():
         m.model_options["transformer_options"][attention_node.OVERRIDE_KEY](Recorder(), *_packed_qkv(), 4)
