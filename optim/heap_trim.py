@@ -3,7 +3,7 @@
 CPU tensors come from the C heap. glibc raises its mmap threshold each time a large block is freed
 (up to 32 MiB on 64-bit), so after a few sampling runs activations, latents and decoded images are
 carved from the heap, and the pages they free stay with the process: a ComfyUI server's RSS climbs
-by hundreds of MiB over a session with no live object behind it (``docs/benchmarks.md``, Soak: 630
+by hundreds of MiB over a session with no live object behind it (``docs/benchmarks-log.md``, Soak: 630
 MiB of free heap after 30 prompts, stock ComfyUI included). ``malloc_trim(0)`` returns every free
 page; the next run faults in what it touches again. Where the C library has no ``malloc_trim``
 (macOS, Windows, musl) ``trim_heap`` does nothing and says so.

@@ -23,13 +23,13 @@ others), uses the ``aot_eager`` and ``eager`` backends or ``trace`` (no inductor
 seconds on a CPU, not the minutes of an inductor build, at the cost of not soaking inductor's generated
 code; VAE Precision is never asked for bf16 explicitly (see ``_vae_precision``). 100 prompts of the
 SD1.5 mini took 8–11 minutes on 2 idle CPU cores, 29 minutes on 2 shared ones; 100 chaos prompts of the
-four families, with their fresh-server rerun, 63 minutes on 2 shared ones (docs/benchmarks.md).
+four families, with their fresh-server rerun, 63 minutes on 2 shared ones (docs/benchmarks-log.md).
 
 The server's resident memory (RSS) is read after a fixed probe prompt (the checkpoint with no sdopt
 node), so every reading sees the same cached state, and after ComfyUI has unloaded its models and
 collected garbage (``POST /free``), so that cycles a prompt left for the collector are not counted:
 ComfyUI collects on its own only every 10 s, and without this one reading could stand hundreds of MiB
-above the next (docs/benchmarks.md, Soak). RSS is read once the warm-up prompts are done, after every
+above the next (docs/benchmarks-log.md, Soak). RSS is read once the warm-up prompts are done, after every
 ``READING_EVERY`` prompts, and after the last one. The warm RSS is the median
 of the first ``ENDS`` readings and the end RSS the median of the last ``ENDS`` (fewer where there are
 fewer readings: a short soak compares its first reading with its last); drift = (end - warm) / warm.

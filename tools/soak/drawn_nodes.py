@@ -42,7 +42,7 @@ def _offload(rng: random.Random) -> dict:
 
 COMPILE = "SDOptCompile"
 # The first warm-up prompts run Compile in each of its modes, so that torch's one-time set-up of dynamo
-# and of TorchScript (75-80 MiB each, docs/benchmarks.md), and that of regional compile's dynamic
+# and of TorchScript (75-80 MiB each, docs/benchmarks-log.md), and that of regional compile's dynamic
 # shapes, lands in the warm-up, not in the drift.
 COMPILE_MODES_FIRST = COMPILE_MODES
 

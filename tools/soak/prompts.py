@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .drawn_nodes import COMPILE, COMPILE_MODES_FIRST, PROFILER, REPORT, SETTINGS, soak_nodes
 
-# Read after every prompt, seed 0's SD1.5 soak (docs/benchmarks.md, Soak) climbs about 160 MiB over its first
+# Read after every prompt, seed 0's SD1.5 soak (docs/benchmarks-log.md, Soak) climbs about 160 MiB over its first
 # 30 prompts, in steps at prompts that trace or compile a mix of weight dtype and memory format not met
 # before (torch's one-time set-up for it), then wanders within 100 MiB: the warm-up covers the steps.
 DEFAULT_WARMUP = 35

@@ -123,7 +123,7 @@ def ended_status(entry: dict | None, timeout: float) -> tuple[str, str]:
 # glibc's mmap threshold held at its initial 128 KiB: glibc otherwise raises it with each large block
 # freed (up to 32 MiB), after which freed tensors stay in the heap, and a reading after the stock probe
 # prompt (which runs no sdopt heap trim) counts hundreds of MiB of free heap that wander with what ran
-# before it (docs/benchmarks.md, Soak). Held, a freed tensor's pages go back at once and RSS follows the
+# before it (docs/benchmarks-log.md, Soak). Held, a freed tensor's pages go back at once and RSS follows the
 # live memory, which is what a leak grows. A value the caller set is kept; other C libraries ignore it.
 MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
