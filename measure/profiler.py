@@ -274,3 +274,14 @@ def active_run() -> SamplingRun | None:
     """The run whose memory scope is open in this context, if any."""
     return _active_run.get()
 
+
+@contextlib.contextmanager
+def outside_any_run():
+    """A scope in which no run is active: work done for a run but not part of it (a prediction on fake
+    tensors, a probe) files nothing into it."""
+    token = _active_run.set(None)
+    try:
+        yield
+    finally:
+        _active_run.reset(token)
+

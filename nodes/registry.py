@@ -1,5 +1,6 @@
 """Every node class of the pack with its display name: add new nodes to ``_NODES``."""
 from .attention import SDOptAttention
+from .auto import SDOptAuto
 from .compile import SDOptCompile
 from .cuda_graph import SDOptCUDAGraph
 from .doctor import SDOptDoctor
@@ -14,6 +15,7 @@ from .vae_attention import SDOptVAEAttention
 from .vae_precision import SDOptVAEPrecision
 
 _NODES = {
+    "SDOptAuto": (SDOptAuto, "sdopt Auto"),
     "SDOptProfiler": (SDOptProfiler, "sdopt Profiler"),
     "SDOptProfileReport": (SDOptProfileReport, "sdopt Profile Report"),
     "SDOptPrecision": (SDOptPrecision, "sdopt Precision"),

@@ -87,11 +87,13 @@ FP8_COMPILED_RUNG = "fp8_matmul+compile+graph"
 # Diffusion Model's weight_dtype fp8_e4m3fn_fast loads it (fp8 weights, and fp8 matmuls where ComfyUI's
 # supports_fp8_compute says the device has them, activations clamped at ±448), against stock.
 COMFY_FP8_FAST = "fp8_e4m3fn_fast"
-OFFERED_RUNGS = RUNGS + (COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE, FP8_MATMUL_RUNG, FP8_COMPILED_RUNG,
+# sdopt Auto with its defaults (fastest, exact): the stack it picks, against the best rung wired by hand.
+AUTO = "auto"
+OFFERED_RUNGS = RUNGS + (AUTO, COMPILE_REGIONAL, CHANNELS_LAST, DIFFUSERS, DIFFUSERS_COMPILE, FP8_MATMUL_RUNG, FP8_COMPILED_RUNG,
                          COMFY_FP8_FAST) + CACHE_RUNGS
 # The rungs that compile with inductor: before the first of them runs, a tiny compile pays torch's
 # per-process start-up (compile workers, precompiled header, imports), so no rung's compile time holds it.
-COMPILING_RUNGS = ("compile", "compile+graph", COMPILE_ALONE, COMPILE_REGIONAL, CHANNELS_LAST, "TorchCompileModel", DIFFUSERS_COMPILE,
+COMPILING_RUNGS = (AUTO, "compile", "compile+graph", COMPILE_ALONE, COMPILE_REGIONAL, CHANNELS_LAST, "TorchCompileModel", DIFFUSERS_COMPILE,
                    COMPILED_CACHE, COMPILED_EASYCACHE, FP8_COMPILED_RUNG)
 SAMPLING_SPAN = "sdopt.bench: sampler"
 CHANNELS_LAST_EAGER = "attention+channels_last"
@@ -234,6 +236,7 @@ def _sdopt_rungs(host, base, names: list[str]) -> dict[str, Rung]:
         "compile+graph": lambda: over_attention(graph(compile_(attention, "compile")), "Compile(compile) → CUDAGraph"),
         CHANNELS_LAST: channels_last,
         COMPILE_ALONE: lambda: Rung(compile_(base, "compile"), "Compile(compile)", STOCK, base),
+        AUTO: lambda: Rung(node["SDOptAuto"]().apply(base, "fastest", False, 0)[0], "Auto(fastest)", STOCK, base),
         FP8_MATMUL_RUNG: lambda: Rung(fp8_attention(), fp8_stack, "attention", attention, approximate=True),
         FP8_COMPILED_RUNG: lambda: Rung(graph(compile_(fp8_attention(), "compile")), f"{fp8_stack} → Compile(compile) → CUDAGraph",
                                         FP8_MATMUL_RUNG, fp8_attention(), approximate=True),

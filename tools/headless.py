@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..measure.report import Report
-from .plan.memory import parse_bytes
+from ..measure.memory_model import parse_bytes
 from .memory_mode import AUTO, MemoryModeStart, requested_mode
 from .workflow import (
     apply_overrides,

@@ -183,6 +183,21 @@ def _step_cache_row(ctx: Context) -> CheckRow:
                      "first_block: a chain of transformer blocks)")
 
 
+def _auto_row(ctx: Context) -> CheckRow:
+    from ...optim.compile import CompileConfig
+    from ...optim.compile import unavailable as compile_unavailable
+    from ...optim.cuda_graph import GraphConfig
+    from ...optim.cuda_graph import unavailable as graph_unavailable
+    from ..stack_choice import DeviceFacts, fast_stack
+
+    compile_problem, graph_problem = compile_unavailable(CompileConfig(), ctx.device), graph_unavailable(GraphConfig(), ctx.device)
+    facts = DeviceFacts(ctx.device.type == "cuda", compile_problem.reason if compile_problem else None,
+                        graph_problem.reason if graph_problem else None, True, "deepcache", 0, 0)
+    return _node_row("sdopt Auto", [f"fastest exact stack for a UNet here: {fast_stack(facts, False).describe()}",
+                                    "Low Memory, then Offload, where the predicted step or weights do not fit"], {}, "",
+                     "the Compile and CUDA Graph checks for this device, as Auto makes them")
+
+
 def _profiler_row(ctx: Context) -> CheckRow:
     return _node_row("sdopt Profiler", [f"step times, steady it/s, peak {_memory(ctx)}"], {}, "", "nothing to check: torch only")
 
@@ -202,6 +217,7 @@ NODE_GROUPS: tuple[tuple[str, dict[str, RowBuilder]], ...] = (
     ("node: sdopt Attention and VAE Attention", {"SDOptAttention": _attention_row, "SDOptVAEAttention": _vae_attention_row}),
     ("node: sdopt Compile", {"SDOptCompile": _compile_row}),
     ("node: sdopt CUDA Graph and Offload", {"SDOptCUDAGraph": _graph_row, "SDOptOffload": _offload_row}),
+    ("node: sdopt Auto", {"SDOptAuto": _auto_row}),
     ("node: the torch-only nodes", {"SDOptTiledVAE": _tiled_vae_row, "SDOptLowMemory": _low_memory_row, "SDOptStepCache": _step_cache_row,
                                     "SDOptProfiler": _profiler_row, "SDOptProfileReport": _report_row}),
 )

@@ -37,11 +37,11 @@ from .check import check_predictions, check_table, measure_stage
 from .command import run_plan
 from .models import architecture, architecture_of_shapes, build_modules, text_encoder_names, text_encoders
 from .planner import Planner, StagePrediction, budget_resident_bytes, make_plan, plan_table
-from .settings import PLANNER_TOLERANCE, SETTINGS, TEXT_ENCODE, UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, lowmem_setting
+from .settings import SETTINGS, TEXT_ENCODE, UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, lowmem_setting
 from .stages import pack_latent, stage_call, unpack_latent
 
 __all__ = [
-    "PLANNER_TOLERANCE", "Planner", "SETTINGS", "StagePrediction", "TEXT_ENCODE", "UNET_SETTINGS", "UNET_STEP",
+    "Planner", "SETTINGS", "StagePrediction", "TEXT_ENCODE", "UNET_SETTINGS", "UNET_STEP",
     "VAE_DECODE", "VAE_SETTINGS", "architecture", "architecture_of_shapes", "budget_resident_bytes", "build_modules",
     "check_predictions", "check_table", "lowmem_setting", "make_plan", "measure_stage", "pack_latent", "plan_table",
     "run_plan", "stage_call", "text_encoder_names", "text_encoders", "unpack_latent",

@@ -13,7 +13,8 @@ from ..fresh_process import run_in_fresh_process
 from ..progress import progress_bar
 from .models import architecture
 from .planner import Planner
-from .settings import MIB, PLANNER_TOLERANCE, SETTINGS, TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE
+from ...measure.memory_model import PLANNER_TOLERANCE
+from .settings import MIB, SETTINGS, TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE
 
 _PROC_STATUS = Path("/proc/self/status")
 # The planner's accuracy target (issues 9 and 16): within 20% of the measured peak RSS growth on CPU for these.

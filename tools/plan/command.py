@@ -7,7 +7,7 @@ import torch
 
 from ...errors import UserError
 from .check import CHECK_CASES, check_predictions, check_table
-from .memory import parse_bytes
+from ...measure.memory_model import parse_bytes
 from .planner import make_plan, plan_table
 
 DEFAULT_MODEL = "mini"

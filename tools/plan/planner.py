@@ -10,12 +10,11 @@ from ...errors import UserError
 from ...families import UNetConfig, checkpoint_config, resolve_model
 from ...measure.report import markdown_table
 from ...optim.precision import DTYPES
-from .memory import MemoryPlanConfig, fake_module, fake_tensor, fake_tensor_mode, largest_fitting, module_bytes, predict_peak
+from ...measure.memory_model import PLANNER_TOLERANCE, MemoryPlanConfig, fake_module, fake_tensor, fake_tensor_mode, largest_fitting, module_bytes, predict_peak
 from .models import architecture, build_modules, largest_side, text_encoder_modules, text_encoders
 from .settings import (
     MIB,
     OFFLOADS,
-    PLANNER_TOLERANCE,
     SEARCH_SETTINGS,
     SETTINGS,
     STAGE_MODEL,

@@ -27,7 +27,7 @@ from ...measure.profiler import PeakMemory, peak_rss_growth
 from ...optim.heap_trim import trim_heap
 from ...optim.precision import DTYPES
 from ..fresh_process import serve_child
-from .memory import LiveBytesMode
+from ...measure.memory_model import LiveBytesMode
 from .models import build_modules
 from .settings import STAGE_MODEL
 from .stages import stage_call

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...optim.lowmem import LowMemConfig
-from .memory import MemoryPlanConfig
+from ...measure.memory_model import MemoryPlanConfig
 
 TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE = "text encode", "UNet step", "VAE decode", "VAE encode"
 STAGES = (TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE)
@@ -14,9 +14,6 @@ STAGES = (TEXT_ENCODE, UNET_STEP, VAE_DECODE, VAE_ENCODE)
 OFFLOADS = ("none", "model", "budget", "sequential")
 PROMPT_TOKENS = 77
 MIB = 2**20
-# The accuracy the planner is held to (issues 16 and 17): the GPU check runs each stage capped at the
-# prediction plus this (see ``check``'s docstring), and budget offload leaves it free beside the step.
-PLANNER_TOLERANCE = 0.20
 # The parts of a model; "text_encoder" stands for all of a family's text encoders.
 PARTS = ("text_encoder", "unet", "vae")
 STAGE_MODEL = {TEXT_ENCODE: "text_encoder", UNET_STEP: "unet", VAE_DECODE: "vae", VAE_ENCODE: "vae"}

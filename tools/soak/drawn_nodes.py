@@ -90,7 +90,8 @@ SETTINGS: dict[str, Callable[[random.Random], dict]] = {
 # Registered nodes that patch neither a MODEL nor a VAE: the one a prompt places on the decoded image,
 # and those it leaves out, each with the reason.
 ON_THE_IMAGE = REPORT
-NOT_SOAKED = {"SDOptDoctor": "it runs the whole doctor check list, not a patch"}
+NOT_SOAKED = {"SDOptDoctor": "it runs the whole doctor check list, not a patch",
+              "SDOptAuto": "it applies the single nodes the soak draws, chosen per run; its host test holds it"}
 PATHS = ("MODEL", "VAE")
 
 

@@ -4,7 +4,8 @@ the prediction + 20% (issues 16 and 17: within ±20%; a run that needs more than
 memory, an under-prediction)."""
 import pytest
 
-from sdopt.tools.plan import PLANNER_TOLERANCE, UNET_STEP, VAE_DECODE, check_predictions, check_table
+from sdopt.measure.memory_model import PLANNER_TOLERANCE
+from sdopt.tools.plan import UNET_STEP, VAE_DECODE, check_predictions, check_table
 
 CASES = (("mini", UNET_STEP, 1024), ("sdxl-mini", UNET_STEP, 1024), ("sd35-mini", UNET_STEP, 1024),
          ("flux-mini", UNET_STEP, 1024), ("full", VAE_DECODE, 1024))

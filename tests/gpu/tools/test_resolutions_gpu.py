@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from sdopt.tools.plan.memory import parse_bytes
+from sdopt.measure.memory_model import parse_bytes
 from sdopt.tools.bench_resolutions import LOW_MEMORY_WHEN_NEEDED, OK, SDOPT
 
 CAP = "4GiB"

@@ -3,7 +3,7 @@
 The tests are drawn from the folder: a workflow's family is the registry's (``sdopt.families``), found
 from the generated checkpoint file it loads (``sdopt-mini-sdxl.safetensors`` → SDXL), and its kind from
 the node types it holds: a baseline (no sdopt node but the profiler's), a fast path (Compile), a fast
-path with a step cache (Step Cache), low VRAM (Offload, Low Memory, Tiled VAE), precision + attention.
+path with a step cache (Step Cache), low VRAM (Offload, Low Memory, Tiled VAE), precision + attention, sdopt Auto.
 A new workflow or family joins these tests by itself.
 
 Every run of a workflow is 64x64 with two steps unless said otherwise (the shipped 512 to 2048 and
@@ -27,6 +27,8 @@ Per kind:
   float rounding), and at the larger side of LOW_VRAM_LARGER with a 1 MiB Low Memory budget and the VAE in
   tiles; the report says what each node did on this CPU; the model and VAE the workflow's nodes are given
   sample and decode as before once the patched copies have run.
+- auto (goal fit: Low Memory, eager): the report names the stack Auto chose and why, and the image equals
+  the reference's as the low-VRAM workflows' do.
 - precision + attention: the image matches the baseline's when the settings preserve numerics, the report
   lists every requested and active optimization, and as shipped (auto precision and attention) it runs.
 
@@ -52,7 +54,10 @@ WORKFLOWS = Path(__file__).resolve().parents[3] / "workflows"
 # What every run sets on the shipped workflows (512 to 2048 pixels, 20 steps) to stay fast on a CPU.
 SMALL = ("KSampler.steps=2", "EmptyLatentImage.width=64", "EmptyLatentImage.height=64")
 PROFILER, REPORT = "SDOptProfiler", "SDOptProfileReport"
-BASELINE, FAST, STEP_CACHE, LOW_VRAM, PRECISION, OTHER = "baseline", "fast", "step cache", "low vram", "precision", "other"
+BASELINE, FAST, STEP_CACHE, LOW_VRAM, PRECISION, AUTO, OTHER = "baseline", "fast", "step cache", "low vram", "precision", "auto", "other"
+# Auto's workflows run its fit goal (Low Memory, eager): as shipped it compiles on a CPU, minutes per family
+# here, and its compiled stack is held by tests/host/nodes/test_auto.py.
+AUTO_FIT = ("SDOptAuto.goal=fit",)
 
 FP32 = ("SDOptPrecision.weight_dtype=default", "SDOptPrecision.compute_dtype=fp32", "SDOptVAEPrecision.dtype=default")
 AOT_EAGER = ("SDOptCompile.backend=aot_eager",)
@@ -134,6 +139,8 @@ class Workflow:
         nodes = self.optimizing
         if not nodes:
             return BASELINE
+        if "SDOptAuto" in nodes:
+            return AUTO
         if "SDOptStepCache" in nodes:
             return STEP_CACHE
         if "SDOptCompile" in nodes:
@@ -207,6 +214,8 @@ def plan(workflow: Workflow) -> dict:
         if larger:
             runs["larger"] = Run(name, larger.overrides())
         return runs
+    if kind == AUTO:
+        return {"reference": _reference(workflow), "fit": Run(name, SMALL + AUTO_FIT)}
     if kind == PRECISION:
         return {"reference": _reference(workflow), "preserving": Run(name, SMALL + NUMERICS_PRESERVING, no_xformers=True),
                 "shipped": Run(name, SMALL + ("KSampler.steps=1",))}
@@ -494,6 +503,16 @@ def _patched_copies(host, workflow: Workflow) -> list[tuple]:
         if patched is not given:
             copies.append((given, patched))
     return copies
+
+
+@pytest.mark.parametrize("workflow", _named(AUTO), indirect=True)
+def test_auto_report_names_its_stack_and_its_image_equals_the_reference(workflow, host, runs):
+    _, records = _records(runs["fit"])
+    auto = records["SDOptAuto"]
+    assert auto["active"] == "low memory 64 MiB: Low Memory(64 MiB)", auto
+    assert "decided for 1x" in auto["note"] and "predicted step working peak" in auto["note"], auto
+    assert records["SDOptLowMemory"]["active"].startswith("budget 64 MiB") and "SDOptTiledVAE" not in records
+    _low_vram_equal(host, runs["reference"], runs["fit"], 64, stock=bool(plan(workflow)["reference"].bypass))
 
 
 @pytest.mark.parametrize("workflow", _named(LOW_VRAM), indirect=True)

@@ -10,7 +10,7 @@ from sdopt.optim.compile import config as compile_config
 from .support import assert_fix, ctx, one
 
 NODES = ["sdopt Precision", "sdopt VAE Precision", "sdopt Attention", "sdopt VAE Attention", "sdopt Compile", "sdopt CUDA Graph",
-         "sdopt Offload", "sdopt Tiled VAE", "sdopt Low Memory", "sdopt Step Cache", "sdopt Profiler", "sdopt Profile Report"]
+         "sdopt Offload", "sdopt Auto", "sdopt Tiled VAE", "sdopt Low Memory", "sdopt Step Cache", "sdopt Profiler", "sdopt Profile Report"]
 
 
 def test_nodes_on_a_cpu_say_which_modes_run_and_why_the_others_do_not(monkeypatch):
@@ -27,6 +27,7 @@ def test_nodes_on_a_cpu_say_which_modes_run_and_why_the_others_do_not(monkeypatc
     assert rows["sdopt CUDA Graph"].status == UNAVAILABLE
     assert rows["sdopt Offload"].status == UNAVAILABLE
     assert_fix(rows["sdopt Offload"], "already in RAM")
+    assert rows["sdopt Auto"].status == OK and "for a UNet here: Compile(compile)" in rows["sdopt Auto"].result
 
 
 def test_compile_node_without_a_compiler_or_after_a_failed_inductor_trial(monkeypatch):

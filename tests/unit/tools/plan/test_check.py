@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from sdopt.tools.cli import main
-from sdopt.tools.plan import PLANNER_TOLERANCE, UNET_STEP, VAE_DECODE, build_modules, command, measure_stage, stage_call
+from sdopt.measure.memory_model import PLANNER_TOLERANCE
+from sdopt.tools.plan import UNET_STEP, VAE_DECODE, build_modules, command, measure_stage, stage_call
 from sdopt.tools.plan.check import CheckRow, check_table
-from sdopt.tools.plan.memory import fake_module, fake_tensor, fake_tensor_mode, predict_peak
+from sdopt.measure.memory_model import fake_module, fake_tensor, fake_tensor_mode, predict_peak
 from sdopt.tools.plan.real_stage import _allocated_growth
 
 pytest.importorskip("diffusers")

@@ -2,7 +2,8 @@
 budget leaves of it resident, and SD3.5's plans are bounded by its position grid."""
 import pytest
 
-from sdopt.tools.plan import PLANNER_TOLERANCE, SETTINGS, UNET_STEP, Planner, make_plan, plan_table
+from sdopt.measure.memory_model import PLANNER_TOLERANCE
+from sdopt.tools.plan import SETTINGS, UNET_STEP, Planner, make_plan, plan_table
 
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")

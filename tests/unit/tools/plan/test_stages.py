@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sdopt.tools.plan import SETTINGS, TEXT_ENCODE, UNET_STEP, Planner, lowmem_setting, stage_call
-from sdopt.tools.plan.memory import module_bytes
+from sdopt.measure.memory_model import module_bytes
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ from torch import nn
 
 from sdopt.errors import UserError
 from sdopt.optim.lowmem import LowMemConfig
-from sdopt.tools.plan.memory import (
+from sdopt.measure.memory_model import (
     GlibcHeap, MemoryPlanConfig, fake_module, fake_tensor, fake_tensor_mode, largest_fitting, module_bytes, parse_bytes,
     predict_peak,
 )
