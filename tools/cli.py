@@ -416,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
     speed.add_argument("--steps", type=int, default=20)
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every rung after the warm-up")
     speed.add_argument("--rungs", nargs="+", default=list(SPEED_RUNGS), help=(
-        f"default: all of {', '.join(SPEED_RUNGS)}; also offered: {COMPILE_REGIONAL} (each repeated block compiled once), "
+        f"default: all of {', '.join(SPEED_RUNGS)}; also offered: auto (sdopt Auto, fastest, exact: the stack it picks), "
+        f"{COMPILE_REGIONAL} (each repeated block compiled once), "
         f"{CHANNELS_LAST}, the step cache rungs ({', '.join(CACHE_RUNGS)}), fp8_matmul and fp8_matmul+compile+graph "
         "(Precision's fp8 matmuls with fp8_e4m3fn weights, eager, and compiled and graphed), fp8_e4m3fn_fast (ComfyUI's own "
         "fp8 fast path, as Load Diffusion Model loads it), and diffusers and "

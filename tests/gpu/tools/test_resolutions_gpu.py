@@ -1,7 +1,7 @@
 """Issue 16's 4 GiB row as a check: SDXL (``sdxl-full``, fp16) at 1024² under a 4 GiB VRAM cap, through
 sdopt's low-memory stack with Low Memory wired only where the step needs it, completes within the cap
 and gives the uncapped stock image bit for bit (Offload streams the same weights into the same kernels,
-and the decode fits untiled). Measured first on an H100 (docs/benchmarks.md, sixth lease).
+and the decode fits untiled). Measured first on an H100 (docs/benchmarks-log.md, sixth lease).
 
 It runs the command that was measured, in a fresh process: the cap counts every byte the process holds,
 and the GPU tests before it leave compiled graphs and cached blocks behind."""
