@@ -50,21 +50,14 @@ $(MINI_FLUX): | comfyui
 $(REF_SD15): | comfyui
 	$(PY) -m sdopt make-model ref-sd15 --out $@
 
-# Three processes at once, so that CI stays under 45 minutes on 2 cores: the unit tier on two workers, each
-# taking whole files (a file's tests keep their order); tests/host/tools, whose benches, soaks and servers
-# run mostly in child processes, then the browser and GPU tiers; and the rest of the host tier, which loads
-# ComfyUI and every family's checkpoint once (13 GB of RSS: it cannot be split across workers on 24 GiB)
-# and keeps about 1.3 cores busy on its own. Each side's output follows the host tier's.
+# The unit tier on two workers, each taking whole files (a file's tests keep their order): its cold
+# compiles and fresh-process measurements then share both cores. The other tiers load ComfyUI and the
+# checkpoints once, in one process (13 GB of RSS: two workers would pass 24 GiB). Running the tiers side
+# by side was tried on 2026-12-07 and was slower: the processes' torch threads oversubscribe 2 cores.
 TEST_ENV = COMFYUI_PATH=$(COMFY) SDOPT_TEST_MODELS=$(MODELS)/checkpoints
-UNIT_LOG = $(SDOPT_HOME)/unit-tier.log
-TOOLS_LOG = $(SDOPT_HOME)/tools-and-browser-tiers.log
 test: comfyui $(MINI) $(MINI_SDXL)
-	@$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadfile tests/unit > $(UNIT_LOG) 2>&1 & unit=$$!; \
-	$(TEST_ENV) $(PY) -m pytest tests/host/tools tests/browser tests/gpu > $(TOOLS_LOG) 2>&1 & tools=$$!; \
-	$(TEST_ENV) $(PY) -m pytest tests/host --ignore=tests/host/tools; host=$$?; \
-	wait $$tools; tools=$$?; echo "--- tests/host/tools, tests/browser and tests/gpu, run beside it:"; cat $(TOOLS_LOG); \
-	wait $$unit; unit=$$?; echo "--- tests/unit, run beside it:"; cat $(UNIT_LOG); \
-	test $$host -eq 0 -a $$tools -eq 0 -a $$unit -eq 0
+	$(TEST_ENV) $(PY) -m pytest -n 2 --dist loadfile tests/unit
+	$(TEST_ENV) $(PY) -m pytest tests/host tests/browser tests/gpu
 
 demo: comfyui $(REF_SD15) $(MINI)
 	$(PY) -m sdopt run workflows/sd15_baseline.json --comfyui $(COMFY) --models $(MODELS) $(DEMO_SET) --report-json out/sd15_baseline.json
