@@ -55,12 +55,11 @@ MEASURED_CALLS = frozenset({2, 4, 8, 16, 32, 64})
 PREDICTED_NODES = ("SDOptAttention", "SDOptLowMemory")
 
 
-def build_stack(model, stack: Stack, nodes: tuple[str, ...] | None = None):
-    """``model`` through ``stack``'s single nodes in order (only those named in ``nodes``, where given)."""
+def build_stack(model, stack: Stack):
+    """``model`` through ``stack``'s single nodes in order."""
     for step in stack.steps:
-        if nodes is None or step.node in nodes:
-            cls = NODE_CLASSES[step.node]
-            model = getattr(cls(), cls.FUNCTION)(model, **step.values())[0]
+        cls = NODE_CLASSES[step.node]
+        model = getattr(cls(), cls.FUNCTION)(model, **step.values())[0]
     return model
 
 
@@ -97,10 +96,10 @@ def _free_for_the_run(model, device: torch.device) -> int:
 
 
 class AutoStack:
-    """One decision: the stack built for a latent shape, its choice, and the working peaks read."""
+    """One decision: the stack built for a latent shape (its key in ``AutoState.stacks``), its choice, and the working peak read."""
 
-    def __init__(self, source, shape: tuple, patcher, choice, predicted_working: int | None):
-        self.source, self.shape, self.patcher, self.choice = source, shape, patcher, choice
+    def __init__(self, source, patcher, choice, predicted_working: int | None):
+        self.source, self.patcher, self.choice = source, patcher, choice
         self.predicted_working = predicted_working
         self.calls, self.measured_working = 0, None
 
@@ -157,7 +156,7 @@ class AutoState:
             choice = choose_stack(facts, self.goal, self.allow_approximate, predict)
             predicted = predict(choice.stack)
         patcher = build_stack(source, choice.stack)
-        entry = AutoStack(source, tuple(noise_shape), patcher, choice, predicted.working_bytes if predicted else None)
+        entry = AutoStack(source, patcher, choice, predicted.working_bytes if predicted else None)
         patching.set_wrappers(patcher, MEASURE_KEY, {"APPLY_MODEL": functools.partial(_measured_call, entry)})
         patching.make_outermost(patcher, MEASURE_KEY, "APPLY_MODEL")
         return entry
