@@ -1,4 +1,4 @@
-"""``python -m sdopt bench resolutions``: stock ComfyUI against sdopt's low-memory stack, per image size.
+"""``python -m sdopt bench resolutions``: stock ComfyUI against sdopt's low-memory stack and sdopt Auto, per image size.
 
 One process, one booted ComfyUI, one checkpoint, ComfyUI's own KSampler (``common_ksampler``, as in
 ``bench speed``). Each cell is one size and one stack:
@@ -13,13 +13,17 @@ One process, one booted ComfyUI, one checkpoint, ComfyUI's own KSampler (``commo
   SDOptLowMemory is wired only where the planner predicts that the step does not fit without it:
   Offload and an untiled decode change no number, so such a cell gives stock's uncapped image
   exactly, where Low Memory's sequential CFG and chunked ops run other kernels, which round differently
-  in half precision.
+  in half precision;
+- **auto**: the model and the VAE through SDOptAuto (``auto_goal``, its budget what ComfyUI says is free,
+  which ``--vram-cap`` bounds): it picks its stack per cell, and its record says which.
 
 Before a cell runs, ``tools.plan``'s planner predicts its peak (UNet step and VAE decode under the
 stack's settings, from fake tensors) in the terms the cell's peak is measured in: what is allocated
 before it (models unloaded first; on a CPU the process RSS, weights included), plus the weights the
 stage loads onto a GPU, its inputs and its working peak. A cell predicted over the budget (the
 ``--vram-cap``, else the GPU's memory; on a CPU the RSS plus the free RAM) is marked "predicted OOM"
+(an auto cell is predicted as the sdopt stack with Low Memory when needed and the planner's Offload:
+the least Auto can choose)
 and not run; with ``confirm`` it runs anyway on a GPU, never on a CPU, where running out of memory
 can take the machine down. A cell that runs records the sampler plus decode time and the peak
 memory (VRAM allocated on CUDA, process RSS on a CPU), or "out of memory". The prediction is an
@@ -51,7 +55,8 @@ from .bench_vae import image_psnr
 from .plan import UNET_SETTINGS, UNET_STEP, VAE_DECODE, VAE_SETTINGS, Planner, architecture, budget_resident_bytes, lowmem_setting
 from .progress import progress_bar
 
-STOCK, SDOPT = "stock", "sdopt"
+STOCK, SDOPT, AUTO = "stock", "sdopt", "auto"
+STACKS = (STOCK, SDOPT, AUTO)
 OK, OUT_OF_MEMORY, PREDICTED_OOM = "ok", "out of memory", "predicted OOM"
 LOWMEM_BUDGET_MB, OFFLOAD_BUDGET_MB = 256, 1024
 LOW_MEMORY_ALWAYS, LOW_MEMORY_WHEN_NEEDED = "always", "when-needed"
@@ -63,7 +68,7 @@ def offload_config(offload_mb: int) -> OffloadConfig:
     return OffloadConfig("budget", offload_mb * _MiB) if offload_mb else OffloadConfig("sequential", 0)
 
 
-def stack_chains(offload_mb: int | None, low_memory: str = LOW_MEMORY_ALWAYS) -> dict[str, str]:
+def stack_chains(offload_mb: int | None, low_memory: str = LOW_MEMORY_ALWAYS, auto_goal: str = "fastest") -> dict[str, str]:
     """What each stack wires; ``offload_mb`` 0 streams the whole UNet (Offload's sequential mode),
     None takes the planner's budget per cell."""
     offload = "budget_mb from the planner per size, or sequential" if offload_mb is None else offload_config(offload_mb).describe()
@@ -73,6 +78,7 @@ def stack_chains(offload_mb: int | None, low_memory: str = LOW_MEMORY_ALWAYS) ->
     return {
         STOCK: "CheckpointLoader → KSampler → VAEDecode",
         SDOPT: f"{lowmem} → Offload({offload}) → KSampler → TiledVAE(auto) → VAEDecode",
+        AUTO: f"Auto(goal {auto_goal}) on the model and the VAE → KSampler → VAEDecode",
     }
 _MiB = 2**20
 
@@ -102,6 +108,7 @@ class ResolutionRow:
     low_memory: str = LOW_MEMORY_ALWAYS  # whether the sdopt stack wires Low Memory always or when needed
     notes: str = ""
     memory_mode: str | None = None  # Report.memory_mode of the process (dynamic VRAM maps weights past --vram-cap)
+    auto_goal: str = "fastest"  # the auto stack's goal
 
     @property
     def predicted_fits(self) -> bool:
@@ -135,7 +142,10 @@ def predict_cell(planner, stack: str, size: int, allocated_bytes: int, budget_by
     its inputs and its working peak. The tiled VAE takes the first setting that fits, as its auto
     tile does; with ``low_memory`` when-needed, so does the sdopt step (plain first, then Low Memory).
     ``offload_mb`` None: the sdopt step keeps the UNet weights the planner's budget leaves for that
-    step's setting (``plan``'s budget offload), sequential where that is no more than the streamed layers."""
+    step's setting (``plan``'s budget offload), sequential where that is no more than the streamed layers.
+    An auto cell is predicted as the least Auto can choose: sdopt's with both of those."""
+    if stack == AUTO:
+        stack, offload_mb, low_memory = SDOPT, None, LOW_MEMORY_WHEN_NEEDED
     lowmem = lowmem_setting(LOWMEM_BUDGET_MB)
     if stack == STOCK:
         unet_settings, vae_settings = UNET_SETTINGS[:1], VAE_SETTINGS[:1]
@@ -179,6 +189,11 @@ def _sdopt_model(host, model, cell: CellPlan):
         model = node["SDOptLowMemory"]().patch(model, LOWMEM_BUDGET_MB, True, True)[0]
     offload = offload_config(cell.offload_mb)
     return node["SDOptOffload"]().patch(model, offload.mode, offload.budget_bytes // _MiB, "fallback")[0]
+
+
+def _auto_wired(host, model, vae, goal: str) -> tuple:
+    """The model and the VAE through sdopt Auto, as a user would wire it."""
+    return tuple(host.node_classes["SDOptAuto"]().apply(model, goal, False, 0, vae=vae))
 
 
 def _oom_errors(model_management) -> tuple[type[BaseException], ...]:
@@ -254,11 +269,16 @@ def resolution_rows(
     offload_mb: int | None = OFFLOAD_BUDGET_MB,
     against_uncapped: bool = False,
     low_memory: str = LOW_MEMORY_ALWAYS,
+    stacks: tuple[str, ...] = STACKS,
+    auto_goal: str = "fastest",
 ) -> Iterator[ResolutionRow]:
-    """Rows per size, stock then sdopt, each as soon as its cell is done; ``offload_mb`` is the sdopt
-    stack's Offload budget (0: sequential; None: the planner's per cell). ``against_uncapped``: before each size, stock runs once
-    more with the cap lifted, and both stacks' images are compared with that one too. ``low_memory``:
-    whether the sdopt stack wires Low Memory always or only where the step needs it."""
+    """Rows per size, one per stack in ``STACKS``' order, each as soon as its cell is done; ``offload_mb``
+    is the sdopt stack's Offload budget (0: sequential; None: the planner's per cell). ``against_uncapped``:
+    before each size, stock runs once more with the cap lifted, and every stack's image is compared with
+    that one too. ``low_memory``: whether the sdopt stack wires Low Memory always or only where the step
+    needs it. ``auto_goal``: the auto stack's goal."""
+    from ..nodes.stack_choice import GOALS
+
     from .headless import boot
 
     if not sizes:
@@ -272,6 +292,12 @@ def resolution_rows(
         raise UserError(f"--offload-mb must be >= 0 (0 streams the whole UNet), not {offload_mb}")
     if low_memory not in LOW_MEMORY_CHOICES:
         raise UserError(f"--low-memory: {low_memory!r} is not one of {', '.join(LOW_MEMORY_CHOICES)}")
+    unknown = [stack for stack in stacks if stack not in STACKS]
+    if unknown or not stacks:
+        raise UserError(f"--stacks: give some of {', '.join(STACKS)}, not {', '.join(unknown) or 'none'}")
+    if auto_goal not in GOALS:
+        raise UserError(f"--auto-goal: {auto_goal!r} is not one of {', '.join(GOALS)}")
+    stacks = tuple(stack for stack in STACKS if stack in stacks)
     host = boot(comfyui, vram_cap)
     import comfy.model_management as mm
     path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
@@ -284,11 +310,11 @@ def resolution_rows(
     memory = PeakMemory(base.load_device)
     oom_errors = _oom_errors(mm)
     stock_images, uncapped_images, uncapped_failures = {}, {}, {}
-    cells = [(size, stack) for size in sizes for stack in (STOCK, SDOPT)]
+    cells = [(size, stack) for size in sizes for stack in stacks]
     bar = progress_bar(cells, desc=f"resolutions {path.stem} {steps} steps", unit="cell", disable=not progress)
     for size, stack in bar:
         bar.set_postfix_str(f"{size} px {stack}")
-        if against_uncapped and stack == STOCK:
+        if against_uncapped and stack == stacks[0]:
             try:
                 uncapped_images[size] = _uncapped_image(host, mm, memory, (base, vae), size, conds[size], steps)
             except oom_errors as error:
@@ -298,7 +324,7 @@ def resolution_rows(
         cell = predict_cell(planner, stack, size, allocated, budget, weights_on_device=on_gpu, offload_mb=offload_mb,
                             low_memory=low_memory)
         row = dict(size=size, stack=stack, predicted_peak_bytes=cell.peak_bytes, budget_bytes=budget, predicted_settings=cell.settings,
-                   offload_mb=offload_mb, low_memory=low_memory,
+                   offload_mb=offload_mb, low_memory=low_memory, auto_goal=auto_goal,
                    model=path.stem, steps=steps, device=str(base.load_device), memory_kind=memory.kind,
                    vram_cap_bytes=host.vram_cap_bytes, memory_mode=host.memory_mode.label)
         if not should_run(cell.peak_bytes, budget, confirm, on_gpu):
@@ -306,14 +332,15 @@ def resolution_rows(
             yield ResolutionRow(status=PREDICTED_OOM, notes=why, **row)
             continue
         try:
-            wired = (base, vae) if stack == STOCK else (_sdopt_model(host, base, cell), tiled)
+            wired = {STOCK: lambda: (base, vae), SDOPT: lambda: (_sdopt_model(host, base, cell), tiled),
+                     AUTO: lambda: _auto_wired(host, base, vae, auto_goal)}[stack]()
             image, sampler_s, decode_s, peak, notes = _run_cell(host, *wired, memory, size, conds[size], steps, stack)
         except oom_errors as error:
             yield ResolutionRow(status=OUT_OF_MEMORY, notes=_first_line(error), **row)
             continue
         if stack == STOCK:
             stock_images[size] = image
-        similarity = image_psnr(image, stock_images[size]) if stack == SDOPT and size in stock_images else None
+        similarity = image_psnr(image, stock_images[size]) if stack != STOCK and size in stock_images else None
         to_uncapped = image_psnr(image, uncapped_images[size]) if size in uncapped_images else None
         notes = "; ".join(filter(None, [notes, uncapped_failures.get(size, "")]))
         yield ResolutionRow(status=OK, seconds=sampler_s + decode_s, sampler_s=sampler_s, decode_s=decode_s,
@@ -330,35 +357,49 @@ def _cell_text(row: ResolutionRow | None) -> list[str]:
     return [seconds, format_mib(row.peak_memory_bytes), row.status, predicted]
 
 
+def _stacks(rows: list[ResolutionRow]) -> list[str]:
+    """The stacks the rows hold, in ``STACKS``' order."""
+    present = {r.stack for r in rows}
+    return [stack for stack in STACKS if stack in present]
+
+
 def resolutions_table(rows: list[ResolutionRow]) -> str:
-    """One line per size, stock beside sdopt, then the stacks and what the sdopt nodes did."""
+    """One line per size, the stacks side by side, then what each wires and what the sdopt nodes did."""
     if not rows:
         return "no cells"
     memory = MEMORY_LABELS[rows[0].memory_kind]
+    stacks = _stacks(rows)
+    compared = [stack for stack in stacks if stack != STOCK]
     headers = ["size"]
-    for stack in (STOCK, SDOPT):
+    for stack in stacks:
         headers += [f"{stack} s", f"{stack} peak MiB {memory}", f"{stack} status", f"{stack} predicted / budget MiB"]
-    headers.append("sdopt PSNR vs stock dB")
+    headers += [f"{stack} PSNR vs stock dB" for stack in compared]
     uncapped = any(r.psnr_vs_uncapped_db is not None for r in rows)
     if uncapped:
-        headers.append("PSNR vs uncapped stock dB: stock / sdopt")
+        headers.append(f"PSNR vs uncapped stock dB: {' / '.join(stacks)}")
     cells = {(r.size, r.stack): r for r in rows}
     body = []
     for size in dict.fromkeys(r.size for r in rows):
-        stock, sdopt = cells.get((size, STOCK)), cells.get((size, SDOPT))
-        line = [f"{size}x{size}", *_cell_text(stock), *_cell_text(sdopt), _db(sdopt and sdopt.psnr_vs_stock_db)]
+        line = [f"{size}x{size}"]
+        for stack in stacks:
+            line += _cell_text(cells.get((size, stack)))
+        line += [_db(cell and cell.psnr_vs_stock_db) for cell in (cells.get((size, stack)) for stack in compared)]
         if uncapped:
-            line.append(f"{_db(stock and stock.psnr_vs_uncapped_db)} / {_db(sdopt and sdopt.psnr_vs_uncapped_db)}")
+            line.append(" / ".join(_db(cell and cell.psnr_vs_uncapped_db) for cell in (cells.get((size, stack)) for stack in stacks)))
         body.append(line)
     first = rows[0]
     cap = f", VRAM capped at {format_mib(first.vram_cap_bytes)} MiB" if first.vram_cap_bytes else ""
     mode = f" ({first.memory_mode})" if first.memory_mode else ""
     lines = [f"{first.model} on {first.device}{mode}, {first.steps} steps{cap}; time = sampler + VAE decode", ""]
-    lines += markdown_table(headers, body, right={1, 2, 4, 5, 6, 8, 9, 10})
-    lines += ["", *(f"- **{stack}**: {chain}" for stack, chain in stack_chains(first.offload_mb, first.low_memory).items())]
-    ran = next((r for r in rows if r.stack == SDOPT and r.status == OK and r.notes), None)
-    if ran is not None:
-        lines.append(f"- sdopt at {ran.size} px: {ran.notes}")
+    numeric = {1 + 4 * i + j for i in range(len(stacks)) for j in (0, 1, 3)} | set(range(1 + 4 * len(stacks), len(headers)))
+    lines += markdown_table(headers, body, right=numeric)
+    chains = stack_chains(first.offload_mb, first.low_memory, first.auto_goal)
+    lines += ["", *(f"- **{stack}**: {chains[stack]}" for stack in stacks)]
+    for stack in compared:
+        ran = [r for r in rows if r.stack == stack and r.status == OK and r.notes]
+        # Auto decides per size, so each of its cells says what it chose; sdopt's stack is the same at every size.
+        for row in ran if stack == AUTO else ran[:1]:
+            lines.append(f"- {stack} at {row.size} px: {row.notes}")
     lines += [f"- {r.stack} at {r.size} px: {r.status}: {r.notes}" for r in rows if r.status != OK and r.notes]
     return "\n".join(lines)
 
@@ -371,7 +412,7 @@ def _db(value: float | None) -> str:
 
 
 def save_heatmap(rows: list[ResolutionRow], path: Path) -> str | None:
-    """A heatmap (rows stock and sdopt, columns sizes, colour = seconds, text = seconds and peak;
+    """A heatmap (a row per stack, columns sizes, colour = seconds, text = seconds and peak;
     cells that did not run hatched and named); None, or why not (no matplotlib)."""
     try:
         import matplotlib
@@ -386,13 +427,13 @@ def save_heatmap(rows: list[ResolutionRow], path: Path) -> str | None:
     import numpy as np
 
     sizes = list(dict.fromkeys(r.size for r in rows))
-    stacks = (STOCK, SDOPT)
+    stacks = _stacks(rows)
     cells = {(r.stack, r.size): r for r in rows}
     seconds = np.full((len(stacks), len(sizes)), np.nan)
     for (stack, size), row in cells.items():
         if row.seconds is not None:
             seconds[stacks.index(stack), sizes.index(size)] = row.seconds
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + 1.5 * len(sizes)), 2.8))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 + 1.5 * len(sizes)), 1.2 + 0.8 * len(stacks)))
     colours = plt.get_cmap("viridis").with_extremes(bad="#eeeeee")
     measured = seconds[~np.isnan(seconds)]
     # Times grow about with the pixel count, so a log scale keeps the small sizes apart.

@@ -200,7 +200,8 @@ def run_resolutions(out: Path, phase: Phase) -> dict:
 
     options = phase.options
     heading = (f"`bench resolutions --model {options['model']} --sizes {','.join(map(str, options['sizes']))} --steps {options['steps']} "
-               f"--vram-cap {options['vram_cap_gib']}GiB --offload-mb {options['offload_mb']}`")
+               f"--vram-cap {options['vram_cap_gib']}GiB --offload-mb {options['offload_mb']} --stacks {' '.join(options['stacks'])}"
+               + (f" --auto-goal {options['auto_goal']}`" if "auto" in options["stacks"] else "`"))
 
     def result(rows, plots=()):
         skipped = {f"{r.stack} at {r.size}²": r.status for r in rows if getattr(r, "status", "ok") != "ok"}
@@ -210,7 +211,8 @@ def run_resolutions(out: Path, phase: Phase) -> dict:
     started, rows = time.monotonic(), []
     for row in resolution_rows(options["comfyui"] or os.environ.get("COMFYUI_PATH"), model=options["model"], sizes=options["sizes"],
                                steps=options["steps"], vram_cap=options["vram_cap_gib"] * GIB,
-                               models=Path(options["models"]) if options["models"] else None, offload_mb=options["offload_mb"]):
+                               models=Path(options["models"]) if options["models"] else None, offload_mb=options["offload_mb"],
+                               stacks=tuple(options["stacks"]), auto_goal=options["auto_goal"]):
         rows.append(row)
         write_phase(out, phase, {**result(rows), "status": PARTIAL}, time.monotonic() - started)
     plot = f"{phase.stem}.png"

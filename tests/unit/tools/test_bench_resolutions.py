@@ -97,6 +97,18 @@ def test_auto_offload_keeps_what_the_planners_budget_leaves_beside_each_setting(
     assert "budget_mb from the planner" in bench.stack_chains(None)[bench.SDOPT]
 
 
+def test_an_auto_cell_is_gated_on_the_least_auto_can_choose():
+    """Auto decides at run time; the bench lets its cell run where sdopt's stack with Low Memory when needed
+    and the planner's Offload fits, whatever budget is given for the hand-wired sdopt stack."""
+    for budget in (1500, 8192):
+        auto = bench.predict_cell(FixedPlanner(PEAKS), bench.AUTO, 1024, 0, budget * MiB, weights_on_device=True)
+        least = bench.predict_cell(FixedPlanner(PEAKS), bench.SDOPT, 1024, 0, budget * MiB, weights_on_device=True,
+                                   offload_mb=None, low_memory=bench.LOW_MEMORY_WHEN_NEEDED)
+        assert auto == least
+    roomy = bench.predict_cell(FixedPlanner(PEAKS), bench.AUTO, 1024, 0, 8192 * MiB, weights_on_device=True)
+    assert not roomy.low_memory and roomy.settings.startswith("sdpa, CFG batch 2;"), "plain where the step fits"
+
+
 def test_on_a_cpu_the_weights_are_already_in_what_is_allocated():
     cell = bench.predict_cell(FixedPlanner(PEAKS), bench.STOCK, 1024, 2000 * MiB, 16000 * MiB, weights_on_device=False)
     assert cell.peak_bytes == (2000 + 1 + 5000) * MiB
@@ -149,6 +161,38 @@ def test_table_gives_both_stacks_against_the_uncapped_image_when_measured():
     assert "uncapped" not in bench.resolutions_table(ROWS), "no column where nothing was measured"
 
 
+AUTO_ROWS = [
+    _row(1024, "auto", "ok", 1.5, 3200, predicted=3100, psnr_vs_stock_db=math.inf, auto_goal="fastest",
+         notes="SDOptAuto: stack fast: Precision(auto) → Attention(sdpa) → Compile(compile) → CUDA Graph"),
+    _row(2048, "auto", "ok", 9.0, 7000, predicted=7500, psnr_vs_stock_db=40.5, auto_goal="fastest",
+         notes="SDOptAuto: stack low memory 256 MiB + offload 2,048 MiB"),
+]
+
+
+def test_table_gives_auto_its_own_columns_and_what_it_chose_at_each_size():
+    table = bench.resolutions_table(ROWS + AUTO_ROWS)
+    header = next(line for line in table.splitlines() if line.startswith("| size"))
+    assert header.endswith("| auto s | auto peak MiB VRAM | auto status | auto predicted / budget MiB "
+                           "| sdopt PSNR vs stock dB | auto PSNR vs stock dB |")
+    lines = [line for line in table.splitlines() if line.startswith("| 1024") or line.startswith("| 2048")]
+    assert lines[0].endswith("| 1.50 | 3,200.0 | ok | 3,100.0 ≤ 8,192.0 | 72.2 | identical |")
+    assert lines[1].endswith("| 9.00 | 7,000.0 | ok | 7,500.0 ≤ 8,192.0 | — | 40.5 |")
+    rule = next(line for line in table.splitlines() if line.startswith("| ---"))
+    assert rule.count("---:") == 3 * 3 + 2, "times, peaks, predictions and PSNRs right-aligned"
+    assert "- **auto**: Auto(goal fastest) on the model and the VAE" in table
+    assert "- auto at 1024 px: SDOptAuto: stack fast" in table and "- auto at 2048 px: SDOptAuto: stack low memory" in table
+    assert "auto s" not in bench.resolutions_table(ROWS) and "**auto**" not in bench.resolutions_table(ROWS), "none where it did not run"
+
+
+def test_heatmap_has_a_row_per_stack(tmp_path):
+    pytest.importorskip("matplotlib")
+    two, three = tmp_path / "two.png", tmp_path / "three.png"
+    assert bench.save_heatmap(ROWS, two) is None and bench.save_heatmap(ROWS + AUTO_ROWS, three) is None
+    from PIL import Image
+
+    assert Image.open(three).height > Image.open(two).height
+
+
 def test_rows_round_trip_through_json():
     loaded = json.loads(json.dumps([row.to_dict() for row in ROWS]))
     assert [bench.ResolutionRow(**data) for data in loaded] == ROWS
@@ -179,6 +223,25 @@ def test_cli_rejects_bad_options_before_booting_comfyui(capsys, tmp_path, argv, 
     assert main(["bench", "resolutions", "--comfyui", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sdopt: error: ") and message in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--stacks", "sdopt", "fast"], "argument --stacks: invalid choice: 'fast'"),
+    (["--auto-goal", "quick"], "argument --auto-goal: invalid choice: 'quick'"),
+])
+def test_cli_rejects_unknown_stacks_and_goals(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "resolutions", "--comfyui", str(tmp_path), *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_rows_refuse_unknown_stacks_and_goals_before_booting_comfyui(tmp_path):
+    from sdopt.errors import UserError
+
+    with pytest.raises(UserError, match="--stacks: give some of stock, sdopt, auto, not fast"):
+        next(bench.resolution_rows(tmp_path, stacks=("stock", "fast")))
+    with pytest.raises(UserError, match="--auto-goal: 'quick' is not one of fastest, balanced, fit"):
+        next(bench.resolution_rows(tmp_path, auto_goal="quick"))
 
 
 def test_cli_offload_mb_takes_auto_or_mib(capsys, tmp_path):
