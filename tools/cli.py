@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 from ..errors import UserError
+from ..nodes.stack_choice import GOALS
+from .bench_resolutions import STACKS
 from .bench_speed import CACHE_RUNGS, CHANNELS_LAST, COMPILE_REGIONAL, RUNGS as SPEED_RUNGS
 from .bench_suite import SUITE_LIMIT_S
 from .memory_mode import ENVIRONMENT as MEMORY_MODE_ENVIRONMENT, MODES as MEMORY_MODES
@@ -136,9 +138,8 @@ def _bench_resolutions(args: argparse.Namespace) -> None:
     from .bench_resolutions import bench_resolutions, resolutions_table, save_heatmap
 
     rows = bench_resolutions(args.comfyui, model=args.model, sizes=args.sizes, steps=args.steps, vram_cap=_vram_cap(args),
-                             confirm=args.confirm, models=args.models, offload_mb=args.offload_mb,
-                             against_uncapped=args.against_uncapped, low_memory=args.low_memory,
-                             stacks=tuple(args.stacks), auto_goal=args.auto_goal)
+                             confirm=args.confirm, models=args.models, offload_mb=args.offload_mb, against_uncapped=args.against_uncapped,
+                             low_memory=args.low_memory, stacks=tuple(args.stacks), auto_goal=args.auto_goal)
     _print_rows(resolutions_table(rows), rows, args.json)
     if args.plot:
         print(save_heatmap(rows, args.plot) or f"wrote {args.plot}")
@@ -443,9 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--json", type=_output_file, help="write the rows as JSON")
     quality.set_defaults(handler=_bench_quality)
     resolutions = bench_kinds.add_parser(
-        "resolutions", help=("stock ComfyUI vs sdopt's low-memory stack and sdopt Auto per image size: time, peak memory, OOM, "
-                             "planner prediction")
-    )
+        "resolutions", help="stock vs sdopt's low-memory stack vs sdopt Auto per image size: time, peak memory, OOM, prediction")
     resolutions.add_argument("--sizes", type=_sizes, default=[512, 1024, 2048], help="comma-separated image sides in pixels")
     resolutions.add_argument("--steps", type=int, default=4)
     resolutions.add_argument("--offload-mb", type=_offload_mb, default=1024, help=(
@@ -454,10 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     resolutions.add_argument("--low-memory", choices=("always", "when-needed"), default="always", help=(
         "wire sdopt Low Memory into every sdopt cell, or only where the planner predicts the step does not fit "
         "without it (Offload and an untiled decode change no number, so those cells equal stock's uncapped image)"))
-    resolutions.add_argument("--stacks", nargs="+", choices=("stock", "sdopt", "auto"), default=["stock", "sdopt", "auto"],
-                             help="the stacks to run at each size, in this order: stock, sdopt, auto")
-    resolutions.add_argument("--auto-goal", choices=("fastest", "balanced", "fit"), default="fastest",
-                             help="the auto stack's goal (sdopt Auto's goal input)")
+    resolutions.add_argument("--stacks", nargs="+", choices=STACKS, default=list(STACKS), help="the stacks run at each size")
+    resolutions.add_argument("--auto-goal", choices=GOALS, default="fastest", help="the auto stack's goal (sdopt Auto's goal)")
     resolutions.add_argument("--confirm", action="store_true",
                              help="on a GPU, also run the cells the planner predicts out of memory (on a CPU they are never run)")
     resolutions.add_argument("--against-uncapped", action="store_true", help=(
