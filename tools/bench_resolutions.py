@@ -297,7 +297,7 @@ def resolution_rows(
         raise UserError(f"--stacks: give some of {', '.join(STACKS)}, not {', '.join(unknown) or 'none'}")
     if auto_goal not in GOALS:
         raise UserError(f"--auto-goal: {auto_goal!r} is not one of {', '.join(GOALS)}")
-    stacks = tuple(stack for stack in STACKS if stack in stacks)
+    stacks = _in_stack_order(stacks)
     host = boot(comfyui, vram_cap)
     import comfy.model_management as mm
     path = checkpoint_path(model, Path(models) if models is not None else Path(host.path) / "models")
@@ -357,10 +357,10 @@ def _cell_text(row: ResolutionRow | None) -> list[str]:
     return [seconds, format_mib(row.peak_memory_bytes), row.status, predicted]
 
 
-def _stacks(rows: list[ResolutionRow]) -> list[str]:
-    """The stacks the rows hold, in ``STACKS``' order."""
-    present = {r.stack for r in rows}
-    return [stack for stack in STACKS if stack in present]
+def _in_stack_order(names) -> tuple[str, ...]:
+    """The stacks named in ``names``, each once, in ``STACKS``' order."""
+    named = set(names)
+    return tuple(stack for stack in STACKS if stack in named)
 
 
 def resolutions_table(rows: list[ResolutionRow]) -> str:
@@ -368,7 +368,7 @@ def resolutions_table(rows: list[ResolutionRow]) -> str:
     if not rows:
         return "no cells"
     memory = MEMORY_LABELS[rows[0].memory_kind]
-    stacks = _stacks(rows)
+    stacks = _in_stack_order(r.stack for r in rows)
     compared = [stack for stack in stacks if stack != STOCK]
     headers = ["size"]
     for stack in stacks:
@@ -427,7 +427,7 @@ def save_heatmap(rows: list[ResolutionRow], path: Path) -> str | None:
     import numpy as np
 
     sizes = list(dict.fromkeys(r.size for r in rows))
-    stacks = _stacks(rows)
+    stacks = _in_stack_order(r.stack for r in rows)
     cells = {(r.stack, r.size): r for r in rows}
     seconds = np.full((len(stacks), len(sizes)), np.nan)
     for (stack, size), row in cells.items():
