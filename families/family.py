@@ -20,7 +20,8 @@ class UNetConfig:
 
     ``transformer_depth`` gives, per level of ``channel_mult``, the transformer blocks in each
     SpatialTransformer of the input side (0: that level has no attention); ``transformer_depth_output``
-    the same for the output side (None: as the input side) and ``transformer_depth_middle`` for the
+    the same for the output side, one per level or, as ComfyUI reads it, one per output block (level 0's
+    ``num_res_blocks + 1`` first; None: as the input side), and ``transformer_depth_middle`` for the
     middle block. Heads come from ``num_heads`` or, when set, ``num_head_channels`` (SDXL: 64).
     ``adm_in_channels`` is the width of the ``y`` vector input (None: the model takes no ``y``).
     """
@@ -44,8 +45,17 @@ class UNetConfig:
         return 4 * self.model_channels
 
     @property
-    def output_depth(self) -> tuple[int, ...]:
-        return self.transformer_depth if self.transformer_depth_output is None else self.transformer_depth_output
+    def output_block_depths(self) -> tuple[int, ...]:
+        """Each output block's transformer depth in ComfyUI's order: level 0's blocks first (the model
+        builds its output blocks, deepest level first, by popping this list)."""
+        depths = self.transformer_depth if self.transformer_depth_output is None else self.transformer_depth_output
+        per_level = self.num_res_blocks + 1
+        if len(depths) == len(self.channel_mult):
+            return tuple(depth for depth in depths for _ in range(per_level))
+        if len(depths) != len(self.channel_mult) * per_level:
+            raise ValueError(f"transformer_depth_output: {len(depths)} depths; give one per level "
+                             f"({len(self.channel_mult)}) or one per output block ({len(self.channel_mult) * per_level})")
+        return tuple(depths)
 
     def heads(self, channels: int) -> int:
         return channels // self.num_head_channels if self.num_head_channels else self.num_heads

@@ -34,11 +34,14 @@ SD15 = Family(
             VAEConfig(),
         ),
         "full": CheckpointConfig(UNetConfig(), (CLIP_L,), VAEConfig()),
-        # The reference model (tools/reference): the smallest UNet ComfyUI detects as SD15 (one level, the
-        # cross-attention ComfyUI reads the context width from, no middle block), trained on 64x64 scenes
-        # (an 8x8 latent) through the block-mean VAE.
+        # The reference model (tools/reference), trained on 64x64 scenes (an 8x8 latent) through the
+        # block-mean VAE: two levels, so that at the 4x4 one every cell's convs reach the border (with one
+        # level it drew every shape in the middle, as a blob); attention only there (on the input side and
+        # in the last of its output blocks), no middle block: 27M parameters, so that the shipped weights
+        # stay under 40 MB.
         "ref": CheckpointConfig(
-            UNetConfig(channel_mult=(1,), num_res_blocks=1, transformer_depth=(1,), transformer_depth_middle=-2),
+            UNetConfig(channel_mult=(1, 1), num_res_blocks=1, transformer_depth=(0, 1), transformer_depth_middle=-2,
+                       transformer_depth_output=(0, 0, 1, 0)),
             (CLIP_L,),
             VAEConfig(block_mean=True),
             image_size=64,

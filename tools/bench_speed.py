@@ -45,6 +45,7 @@ import statistics
 import tempfile
 import time
 import uuid
+import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -289,12 +290,20 @@ def empty_latent(model, size: int) -> dict:
     return {"samples": torch.zeros(1, channels, size // 8, size // 8)}
 
 
+# A server keeps a Profiler's output between prompts while nothing before it changes, so each rung's prompts
+# sample one profiled model, as there: a node that keeps state per model it is handed (Auto's stacks) sees one.
+_PROFILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def profiled_sample(host, model, label: str, latent: dict, conds, steps: int):
     """(latent, the profiler's run, seconds from call to return) of one KSampler prompt."""
     import nodes
     from comfy_execution.utils import CurrentNodeContext
 
-    profiled = host.node_classes["SDOptProfiler"]().apply(model, label)[0]
+    by_label = _PROFILED.setdefault(model, {})
+    if label not in by_label:
+        by_label[label] = host.node_classes["SDOptProfiler"]().apply(model, label)[0]
+    profiled = by_label[label]
     prompt_id = f"bench-{uuid.uuid4().hex}"
     with CurrentNodeContext(prompt_id, "1"):
         started = time.perf_counter()

@@ -20,7 +20,7 @@ from ...errors import UserError
 WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "reference" / "weights"
 # What `python -m sdopt train-reference <model>` wrote last; a retrain updates these.
 WEIGHTS_SHA256: dict[str, str] = {
-    "ref-sd15": "4779ae6ff86f85ee6113ab33e9d30f98ef33e9c82bbdd51afe0f06f3792d6d94",
+    "ref-sd15": "59fd2678ab2c546521c0fb0886796333d4572d7964b1d2dd84ab952b9d6c50dc",
     "ref-sd35": "b5727985712d03a37eb8a9c74123f82218a9295bb26dc95666f5a1b09a1bd0a1",
 }
 _SCALE_SUFFIX = ".int8_scale"

@@ -73,9 +73,10 @@ def unet_ldm_specs(cfg: UNetConfig) -> dict[str, TensorSpec]:
         _unet_res_block(b, "middle_block.2", channels, channels, temb)
 
     block = 0
+    depths = list(cfg.output_block_depths)
     for level in reversed(range(len(cfg.channel_mult))):
-        depth = cfg.output_depth[level]
         for index in range(cfg.num_res_blocks + 1):
+            depth = depths.pop()
             out_channels = cfg.model_channels * cfg.channel_mult[level]
             _unet_res_block(b, f"output_blocks.{block}.0", channels + skip_channels.pop(), out_channels, temb)
             channels = out_channels
@@ -125,6 +126,13 @@ def diffusers_unet_config(name: str) -> dict:
                         f"({unet_models}); leave the diffusers rung out for {name}")
     levels = range(len(unet.channel_mult))
     widths = [unet.model_channels * mult for mult in unet.channel_mult]
+    per_level = unet.num_res_blocks + 1
+    # diffusers' up blocks, deepest first, each its output blocks' depths in the order it runs them.
+    up_depths = [list(reversed(unet.output_block_depths[level * per_level:(level + 1) * per_level]))
+                 for level in reversed(levels)]
+    if any(0 in depths and any(depths) for depths in up_depths):
+        raise UserError(f"{name}: diffusers cannot build a UNet level whose output blocks have attention in some "
+                        "blocks and not in others")
     config = {
         "sample_size": cfg.image_size // cfg.vae.downscale,
         "in_channels": unet.in_channels,
@@ -133,7 +141,7 @@ def diffusers_unet_config(name: str) -> dict:
             "CrossAttnDownBlock2D" if unet.transformer_depth[level] else "DownBlock2D" for level in levels
         ],
         "up_block_types": [
-            "CrossAttnUpBlock2D" if unet.output_depth[level] else "UpBlock2D" for level in reversed(levels)
+            "CrossAttnUpBlock2D" if any(depths) else "UpBlock2D" for depths in up_depths
         ],
         "block_out_channels": widths,
         "layers_per_block": unet.num_res_blocks,
@@ -149,10 +157,8 @@ def diffusers_unet_config(name: str) -> dict:
         raise UserError(f"{name}: diffusers has no middle block of one ResBlock alone")
     if unet.use_linear_in_transformer:
         config["use_linear_projection"] = True
-    if unet.output_depth != unet.transformer_depth:
-        config["reverse_transformer_layers_per_block"] = [
-            [unet.output_depth[level]] * (unet.num_res_blocks + 1) for level in reversed(levels)
-        ]
+    if unet.transformer_depth_output is not None and unet.transformer_depth_output != unet.transformer_depth:
+        config["reverse_transformer_layers_per_block"] = up_depths
     if unet.adm_in_channels:
         pooled = cfg.text_encoders[-1].projection_dim
         config.update(

@@ -53,7 +53,7 @@ class TrainingConfig:
 
 # What each reference model's shipped weights were trained with: as many steps as fit 30 minutes on
 # 2 CPU cores, set-up (writing and loading the untrained checkpoint, encoding the captions) included.
-TRAINING = {"ref-sd15": TrainingConfig(steps=1700), "ref-sd35": TrainingConfig(steps=4000)}
+TRAINING = {"ref-sd15": TrainingConfig(steps=2400), "ref-sd35": TrainingConfig(steps=4000)}
 
 
 @dataclass

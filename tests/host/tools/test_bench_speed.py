@@ -84,6 +84,17 @@ def test_cli_rejects_unknown_rungs_and_writes_json_and_plot(comfy_host, tmp_path
     assert plot.stat().st_size > 1000
 
 
+def test_the_auto_rung_decides_once_and_reuses_its_stack_at_every_later_prompt(comfy_host):
+    """Each rung's prompts sample one profiled model, as a server keeps a Profiler's output between prompts:
+    with a new Profiler clone per prompt Auto decided and compiled again at every prompt (0.55x stock where
+    its stack wired by hand ran 0.92x, 2026-12-08)."""
+    rows = bench_speed(comfy_host.host.path, str(comfy_host.checkpoint), size=64, steps=2, rounds=2, rungs=["auto"],
+                       progress=False)
+    auto = rows[1]
+    assert auto.rung == "auto" and "SDOptAuto: " in auto.notes
+    assert "reused the stack chosen for 1x4x8x8" in auto.notes and "decided for" not in auto.notes, auto.notes
+
+
 def test_sdxl_mini_samples_with_its_y_vector(comfy_host, sdxl_checkpoint):
     """SDXL's UNet refuses a call without ``y``: stock and the precision rung sampling at all is the check."""
     rows = bench_speed(comfy_host.host.path, str(sdxl_checkpoint), size=64, steps=2, rounds=1, rungs=["precision"], progress=False)

@@ -3,6 +3,7 @@ SDXL checkpoint against ComfyUI's detection (a committed fixture) and its fp16-o
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import diffusers
@@ -329,7 +330,11 @@ def test_sdxl_diffusers_configs_agree_with_diffusers_reading_of_the_sgm_config(n
     assert diffusers_unet_config(name)["addition_time_embed_dim"] == 256
 
 
-@pytest.mark.parametrize("name", UNET_MODEL_NAMES)
+# ref-sd15's deepest level has attention in one of its two output blocks, which diffusers cannot build.
+DIFFUSERS_UNET_NAMES = [name for name in UNET_MODEL_NAMES if name != "ref-sd15"]
+
+
+@pytest.mark.parametrize("name", DIFFUSERS_UNET_NAMES)
 def test_diffusers_and_transformers_build_every_part_with_the_checkpoint_s_tensors(name):
     """Built on the meta device from our configs, each part has the generated part's tensor and
     parameter counts, so plan and benches model the same networks as the checkpoints."""
@@ -448,7 +453,7 @@ def test_sdxl_configs_are_what_comfyui_detects(name):
         "channel_mult": list(unet.channel_mult),
         "num_res_blocks": [unet.num_res_blocks] * len(unet.channel_mult),
         "transformer_depth": [depth for depth in unet.transformer_depth for _ in range(unet.num_res_blocks)],
-        "transformer_depth_output": [depth for depth in unet.output_depth for _ in range(unet.num_res_blocks + 1)],
+        "transformer_depth_output": list(unet.output_block_depths),
         "transformer_depth_middle": unet.transformer_depth_middle,
         "context_dim": unet.context_dim,
         "use_linear_in_transformer": unet.use_linear_in_transformer,
@@ -625,6 +630,19 @@ def test_diffusers_transformer_kwargs_follow_the_family_configs():
     _, toy = diffusers_diffusion_model("flux-tiny")
     assert sum(toy["axes_dims_rope"]) == toy["attention_head_dim"] and all(axis % 2 == 0 for axis in toy["axes_dims_rope"])
     assert diffusers_diffusion_model("sdxl-mini") == ("UNet2DConditionModel", diffusers_unet_config("sdxl-mini"))
+
+
+def test_diffusers_unet_config_refuses_a_level_with_attention_in_some_output_blocks_only():
+    assert checkpoint_config("ref-sd15").diffusion_model.output_block_depths == (0, 0, 1, 0)
+    with pytest.raises(UserError, match="attention in some blocks and not in others"):
+        diffusers_unet_config("ref-sd15")
+
+
+def test_output_depths_are_one_per_level_or_one_per_output_block():
+    per_level = UNetConfig(channel_mult=(1, 2), num_res_blocks=1, transformer_depth=(1, 0))
+    assert per_level.output_block_depths == (1, 1, 0, 0)
+    with pytest.raises(ValueError, match="one per level \\(2\\) or one per output block \\(4\\)"):
+        _ = replace(per_level, transformer_depth_output=(1, 0, 0)).output_block_depths
 
 
 def test_diffusers_unet_config_refuses_a_transformer_for_the_diffusers_rungs():

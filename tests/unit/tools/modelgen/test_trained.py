@@ -67,6 +67,13 @@ def test_the_shipped_weights_are_the_ones_the_code_expects(model):
     assert {key: tuple(tensor.shape) for key, tensor in state.items()} == {key: spec.shape for key, spec in specs.items()}
 
 
+def test_the_shipped_weights_fit_the_repository_s_budget():
+    """Issue 49: the trained weights, the classifier's included, at most 40 MB in all."""
+    sizes = {path.name: path.stat().st_size for path in trained.WEIGHTS_DIR.glob("*.safetensors")}
+    assert {f"{model}.safetensors" for model in REFERENCE_MODELS} <= sizes.keys()
+    assert sum(sizes.values()) <= 40_000_000, sizes
+
+
 def test_given_tensors_replace_generated_ones_in_the_written_file(tmp_path):
     from safetensors.torch import load_file
 
