@@ -9,9 +9,12 @@ figure is the call's own working memory: what a process's memory grows by while 
 with fake weights, and ``fake_tensor`` makes the inputs.
 
 Kernels also allocate what no aten op returns. ``workspace`` models that per device: on CPU a
-oneDNN convolution reorders its input and weight into a blocked layout first (measured: one input
-plus one weight, within a few MiB, for 1x1 and 3x3 convolutions from 3 to 512 channels); CUDA's
-cuDNN workspaces were a few MiB in the same models and are left out.
+oneDNN convolution reorders its input and weight into a blocked layout, writes its output in that
+layout and then copies it out (PyTorch's CPU allocator, read by the profiler: the input and weight
+reorders beside the blocked output, then the blocked output beside the one returned, for 1x1, 3x3 and
+strided convolutions from 3 to 1280 channels); a single small image, which PyTorch convolves with its
+own kernel, holds one im2col buffer instead. CUDA's cuDNN workspaces were a few MiB in the same models
+and are left out.
 
 The ``cpu`` model also places every allocation the way glibc's malloc does (``GlibcHeap``), because
 what a process keeps resident is not what its tensors hold: a request is served from the best-fitting
@@ -39,6 +42,7 @@ kernel temporaries, which are a fifth of a VAE decode's peak on CPU.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import weakref
 from collections.abc import Callable
@@ -120,19 +124,41 @@ class MemoryPlanConfig:
 @dataclass(frozen=True)
 class PeakEstimate:
     """One traced call: ``peak_bytes`` is the most memory its own tensors (and kernel workspaces)
-    held at once, its output included; ``peak_op`` the op at that moment."""
+    held at once, its output included, as the ``cpu`` model's heap keeps it resident where that model
+    runs; ``allocated_bytes`` the most they held as allocated, whatever a heap keeps (on CUDA the two
+    agree); ``peak_op`` the op at the resident peak."""
 
     peak_bytes: int
     output_bytes: int
     peak_op: str
     ops: int
+    allocated_bytes: int
 
 
-def workspace_bytes(model: str, func, args: tuple) -> int:
-    """Bytes a kernel allocates for itself during ``func(*args)``, beyond the tensors it returns."""
+def workspace_bytes(model: str, func, args: tuple, out) -> int:
+    """Bytes a kernel holds for itself during ``func(*args)`` (which returned ``out``) on top of the
+    tensors it returns, at its peak."""
     if model == "cpu" and func in _CONVOLUTIONS:
-        return _nbytes(args[0]) + _nbytes(args[1])
+        return _cpu_convolution_workspace(func, args, out)
     return 0
+
+
+def _cpu_convolution_workspace(func, args: tuple, out: torch.Tensor) -> int:
+    x, weight = args[0], args[1]
+    groups = (args[8] if len(args) > 8 else 1) if func is torch.ops.aten.convolution.default else (args[6] if len(args) > 6 else 1)
+    kernel = tuple(weight.shape[2:])
+    # PyTorch's own rule for a float32 convolution on a CPU (use_mkldnn, aten's Convolution.cpp): one
+    # small image with a kernel of at most 3x3 runs its im2col kernel, faster there than oneDNN.
+    native = (x.dtype == torch.float32 and groups == 1 and x.shape[0] == 1 and x.numel() <= 20480
+              and not all(side > 3 for side in kernel))
+    if not native:
+        return max(_nbytes(x) + _nbytes(weight), _nbytes(out))
+    # im2col: each output position's input patch, none for a 1x1 kernel read in place.
+    stride = tuple(args[3]) if len(args) > 3 else (1,)
+    padding = tuple(args[4]) if len(args) > 4 else (0,)
+    if all(side == 1 for side in kernel) and all(step == 1 for step in stride) and not any(padding):
+        return 0
+    return weight.shape[1] * math.prod(kernel) * math.prod(out.shape[2:]) * x.element_size()
 
 
 class GlibcHeap:
@@ -199,12 +225,13 @@ class GlibcHeap:
 class LiveBytesMode(TorchDispatchMode):
     """Tracks the bytes of the storages that ops create while the mode is active and their maximum.
 
-    Storages that existed before (weights, inputs) are not counted, nor are views. A storage is
+    Storages that existed before (weights, inputs) are not counted, nor are views of them. A storage is
     subtracted when it is freed, through a weakref finalizer on it; the finalizer only queues it,
     because the garbage collector may run it in the middle of a heap update, and the queue is
     emptied before the next op allocates. Under the ``cpu`` workspace model
     the bytes are those that ``GlibcHeap`` keeps resident, kernel workspaces allocated before an op's
-    outputs and freed after them.
+    outputs and freed after them; ``allocated_peak_bytes`` is the peak of the live storages and
+    workspaces themselves.
     """
 
     def __init__(self, workspace: str = "cpu"):
@@ -213,6 +240,7 @@ class LiveBytesMode(TorchDispatchMode):
         self.heap = GlibcHeap() if workspace == "cpu" else None
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.allocated_peak_bytes = 0
         self.peak_op = ""
         self.ops = 0
         self._sizes: dict[int, int] = {}
@@ -229,14 +257,17 @@ class LiveBytesMode(TorchDispatchMode):
         self._release_freed()
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        workspace = workspace_bytes(self.workspace, func, args)
+        workspace = workspace_bytes(self.workspace, func, args, out)
         if self.heap is not None and workspace:
             self.heap.allocate(_WORKSPACE, workspace)
+        # A view, or an in-place op's result, is its input's storage: one made before the mode (a weight's,
+        # reshaped) is not the op's to count.
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
                 key = storage._cdata
-                if key not in self._sizes:
+                if key not in self._sizes and key not in inputs:
                     self._sizes[key] = storage.nbytes()
                     self.live_bytes += storage.nbytes()
                     if self.heap is not None:
@@ -248,6 +279,7 @@ class LiveBytesMode(TorchDispatchMode):
                 self.heap.release(_WORKSPACE)
         else:
             now = self.live_bytes + workspace
+        self.allocated_peak_bytes = max(self.allocated_peak_bytes, self.live_bytes + workspace)
         if now > self.peak_bytes:
             self.peak_bytes, self.peak_op = now, str(func)
         return out
@@ -299,7 +331,7 @@ def predict_peak(fn: Callable[..., Any], x: torch.Tensor, *args: Any, config: Me
         else:
             out = fn(x, *args, **kwargs)
         output_bytes = sum(_nbytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-    return PeakEstimate(tracker.peak_bytes, output_bytes, tracker.peak_op, tracker.ops)
+    return PeakEstimate(tracker.peak_bytes, output_bytes, tracker.peak_op, tracker.ops, tracker.allocated_peak_bytes)
 
 
 def largest_fitting(fits: Callable[[int], bool], step: int = 64, low: int = 64, high: int = 16384) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import resource
 import sys
 import time
@@ -55,6 +56,32 @@ def peak_rss_growth(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     result = fn()
     peak = proc_status_bytes("VmHWM")
     return result, peak, peak - before
+
+
+def allocated_growth(device: torch.device | str, fn: Callable[[], Any]) -> tuple[Any, int]:
+    """Run ``fn``: its result, and the most bytes its allocations held at once above what was allocated at
+    its start. On CUDA the caching allocator's peak; elsewhere every allocation and free that PyTorch's CPU
+    allocator saw (its tensors and the kernels' scratch, oneDNN's reorders included), from the profiler's
+    memory events in the order they happened: what the tensors took, before the heap keeps any of it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - before
+    # Kineto logs a line per profile at its default level.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "9")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        result = fn()
+    events = sorted((event.start_ns(), event.nbytes()) for event in profile.profiler.kineto_results.events()
+                    if event.name() == "[memory]" and event.device_type().name == "CPU")
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return result, peak
 
 
 def _peak_rss_bytes() -> int:

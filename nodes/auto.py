@@ -9,24 +9,23 @@ Cache mode that fits it), predicts each candidate's step on fake tensors (``step
 takes the stack ``stack_choice`` picks. It builds that stack by calling the single nodes on the model
 the sampler was given, then hands the sampler that copy for this run only, with the OUTER_SAMPLE
 wrappers the stack added. A run at the same latent shape reuses the stack built for it (its compiled
-code and graphs with it); a new shape decides again and the record says so. One model call's working
-peak is measured beside the prediction.
+code and graphs with it); a new shape decides again and the record says so. A model call's working
+peak, as allocated, is measured beside the prediction (on a CPU the heap keeps more resident: that
+figure is predicted for the budget, and shown, but what the profiler reads is what the two are held to).
 """
 from __future__ import annotations
 
 import functools
-import gc
 from collections import OrderedDict
 
 import torch
 
 from ..errors import UserError
-from ..measure.profiler import active_run, outside_any_run, peak_rss_growth
+from ..measure.profiler import active_run, allocated_growth, outside_any_run
 from ..optim.compile import CompileConfig
 from ..optim.compile import unavailable as compile_unavailable
 from ..optim.cuda_graph import GraphConfig
 from ..optim.cuda_graph import unavailable as graph_unavailable
-from ..optim.heap_trim import trim_heap
 from . import environment, patching
 from .attention import SDOptAttention
 from .base import SDOptNode
@@ -36,7 +35,7 @@ from .inputs import patched_input
 from .lowmem import SDOptLowMemory
 from .offload import SDOptOffload
 from .precision import SDOptPrecision
-from .stack_choice import GOALS, MIB, SDPA_ATTENTION, DeviceFacts, NodeStep, Stack, choose_stack
+from .stack_choice import GOALS, MIB, SDPA_ATTENTION, DeviceFacts, NodeStep, Stack, StepPrediction, choose_stack
 from .step_cache import SDOptStepCache, block_groups
 from .step_prediction import call_batch, predict_step, step_conds
 from .tiled_vae import SDOptTiledVAE
@@ -48,7 +47,7 @@ NODE_CLASSES = {cls.__name__: cls for cls in (SDOptPrecision, SDOptAttention, SD
 # Stacks kept per Auto output (each may hold compiled code, graphs or a converted copy of the weights).
 KEEP_STACKS = 4
 # The model calls whose working peak is read (0-based): the first runs eager before a compile, the second
-# may compile; reading every call would cost a heap trim per call on a CPU.
+# may compile; reading every call would run every call under the profiler on a CPU.
 MEASURED_CALLS = frozenset({2, 4, 8, 16, 32, 64})
 # What the prediction runs for a stack: its memory-relevant nodes only (Compile routes attention through
 # sdopt's sdpa where ComfyUI's would break its graph, so a compiled stack is predicted with sdpa).
@@ -98,10 +97,10 @@ def _free_for_the_run(model, device: torch.device) -> int:
 class AutoStack:
     """One decision: the stack built for a latent shape (its key in ``AutoState.stacks``), its choice, and the working peak read."""
 
-    def __init__(self, source, patcher, choice, predicted_working: int | None):
+    def __init__(self, source, patcher, choice, predicted: StepPrediction | None):
         self.source, self.patcher, self.choice = source, patcher, choice
-        self.predicted_working = predicted_working
-        self.calls, self.measured_working = 0, None
+        self.predicted = predicted
+        self.calls, self.measured_allocated = 0, None
 
 
 class AutoState:
@@ -156,7 +155,7 @@ class AutoState:
             choice = choose_stack(facts, self.goal, self.allow_approximate, predict)
             predicted = predict(choice.stack)
         patcher = build_stack(source, choice.stack)
-        entry = AutoStack(source, patcher, choice, predicted.working_bytes if predicted else None)
+        entry = AutoStack(source, patcher, choice, predicted)
         patching.set_wrappers(patcher, MEASURE_KEY, {"APPLY_MODEL": functools.partial(_measured_call, entry)})
         patching.make_outermost(patcher, MEASURE_KEY, "APPLY_MODEL")
         return entry
@@ -166,39 +165,13 @@ def _shape(shape) -> str:
     return "x".join(map(str, shape)) if shape else "?"
 
 
-def working_peak(device: torch.device, call):
-    """(``call()``, the memory it grew by at its peak): VRAM allocated on CUDA, else the process RSS
-    with freed heap handed back first; None where the peak RSS cannot be reset."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = call()
-        torch.cuda.synchronize(device)
-        return out, torch.cuda.max_memory_allocated(device) - before
-    gc.collect()
-    trim_heap()
-    result = {}
-
-    def run():
-        result["out"] = call()
-
-    try:
-        _, _, growth = peak_rss_growth(run)
-    except OSError:
-        if "out" in result:
-            raise
-        return call(), None
-    return result["out"], growth
-
-
 def _measured_call(entry: AutoStack, executor, *args, **kwargs):
     """A model call of the chosen stack, its working peak read on the calls ``MEASURED_CALLS`` names."""
     index, entry.calls = entry.calls, entry.calls + 1
     if index not in MEASURED_CALLS:
         return executor(*args, **kwargs)
     x = args[0] if args else kwargs["x"]
-    out, entry.measured_working = working_peak(x.device, lambda: executor(*args, **kwargs))
+    out, entry.measured_allocated = allocated_growth(x.device, lambda: executor(*args, **kwargs))
     return out
 
 
@@ -243,14 +216,15 @@ def _file_stack_records(state: AutoState, entry: AutoStack, how: str, given_opti
 def _file_auto_record(state: AutoState, entry: AutoStack, how: str) -> None:
     choice = entry.choice
     mib = lambda n: f"{n / MIB:,.0f} MiB"  # noqa: E731
-    predicted = ""
-    if entry.predicted_working is not None:
-        predicted = f"predicted step working peak {mib(entry.predicted_working)}" + (
+    predicted, measured = "", ""
+    if entry.predicted is not None:
+        step = entry.predicted
+        kept = "" if step.working_bytes == step.allocated_bytes else f", {mib(step.working_bytes)} resident"
+        predicted = f"predicted step working peak {mib(step.allocated_bytes)} allocated{kept}" + (
             f", need {mib(choice.need_bytes)}" if choice.need_bytes is not None else "")
-    measured = ""
-    if entry.measured_working is not None and entry.predicted_working:
-        error = entry.measured_working / entry.predicted_working - 1
-        measured = f"measured {mib(entry.measured_working)} ({error:+.0%} against the prediction)"
+        if entry.measured_allocated is not None and step.allocated_bytes:
+            error = entry.measured_allocated / step.allocated_bytes - 1
+            measured = f"measured {mib(entry.measured_allocated)} allocated ({error:+.0%} against the prediction)"
     ruled = "; ".join(f"ruled out {name}" + (f" (predicted {mib(need)})" if need is not None else "") + f": {why}"
                       for name, need, why in choice.ruled_out)
     note = "; ".join(filter(None, [how, *choice.reasons, predicted, measured, ruled]))

@@ -73,10 +73,13 @@ class DeviceFacts:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """A candidate's predicted step: its working peak and the bytes of its inputs."""
+    """A candidate's predicted step: its working peak (what the process holds for it: on a CPU, as the
+    heap keeps it resident), the bytes of its inputs, and its working peak as allocated (what
+    ``measure.profiler.allocated_growth`` reads)."""
 
     working_bytes: int
     input_bytes: int
+    allocated_bytes: int
 
 
 @dataclass

@@ -67,4 +67,4 @@ def predict_step(patched, conds: dict, noise_shape: torch.Size, batch: int, devi
 
     estimate = predict_peak(step, x, t, fake_conds, mode=mode, config=MemoryPlanConfig(workspace="cuda" if torch.device(device).type == "cuda" else "cpu"))
     inputs = sum(v.numel() * v.element_size() for v in (x, t, *fake_conds.values()) if isinstance(v, torch.Tensor))
-    return StepPrediction(estimate.peak_bytes, inputs)
+    return StepPrediction(estimate.peak_bytes, inputs, estimate.allocated_bytes)

@@ -1,12 +1,14 @@
 """SDOptAuto in real ComfyUI: on every family's mini checkpoint its image equals the stack it chose wired
 by hand from the same single nodes and the model it was given is unchanged; on SD1.5 its compiled stack
 too, a second run at the same size compiles nothing, a run at a new size decides again, a LoRA's strength
-is followed, the VAE is tiled only when needed, and the record sets the measured step peak beside the
-predicted one.
+is followed, the VAE is tiled only when needed, and the measured step peak is within the planner's
+tolerance of the predicted one.
 
 Goal ``fit`` (Low Memory, eager) stands for the per-family checks: a compile per family and shape would
 cost minutes on a CPU, and which stack runs does not change how Auto hands it to the sampler."""
 import torch
+
+from sdopt.measure.memory_model import PLANNER_TOLERANCE
 
 
 def auto_of(host, model, goal: str):
@@ -37,15 +39,18 @@ def test_auto_equals_its_stack_wired_by_hand_and_leaves_the_model_alone(family_h
     model = family_host.load_checkpoint()[0]
     stock = family_host.sample(model)
     auto = auto_of(family_host, model, "fit")
-    out = family_host.sample(profiled(family_host, auto))
+    # Three steps: the third call is the first whose peak Auto reads.
+    out = family_host.sample(profiled(family_host, auto), steps=3)
     entry = only_stack(family_host, auto)
     assert [step.node for step in entry.choice.stack.steps] == ["SDOptLowMemory"]
     record = auto_record(family_host, prompt_context)
     assert record["active"].startswith(entry.choice.stack.name) and "decided for" in record["note"], record
     assert "predicted step working peak" in record["note"], record
+    measured, predicted = entry.measured_allocated, entry.predicted.allocated_bytes
+    assert abs(measured / predicted - 1) <= PLANNER_TOLERANCE, (measured / 2**20, predicted / 2**20)
     filed = {r["node"] for r in family_host.prompt_context.prompt_log(prompt_context).runs[-1]["optimizations"]}
     assert "SDOptLowMemory" in filed, "the chosen nodes' records are in the run"
-    assert torch.equal(out, family_host.sample(by_hand(family_host, model, entry))), "Auto's image is its stack's, wired by hand"
+    assert torch.equal(out, family_host.sample(by_hand(family_host, model, entry), steps=3)), "Auto's image is its stack's, wired by hand"
     assert torch.equal(family_host.sample(model), stock), "the model Auto was given samples as before"
     assert "SDOptAuto" not in str(model.wrappers)
 
@@ -99,10 +104,10 @@ def test_a_lora_before_auto_is_followed_at_each_strength(comfy_host):
 
 
 @torch.inference_mode()
-def test_the_record_sets_the_measured_step_peak_beside_the_prediction(comfy_host, prompt_context):
-    """At 256 px, where the step's working memory (about 60 MiB predicted) stands above a CPU's RSS noise. The
-    planner's tolerance is not asserted here: on this CPU the RSS a call grows by came out 42% under and 11%
-    over the prediction at 256 px, 36% over at 512 px, depending on what the heap already held (closing note)."""
+def test_the_measured_step_peak_is_within_the_planners_tolerance_of_the_prediction(comfy_host, prompt_context):
+    """At 256 px (about 40 MiB of working memory). What is compared is the step's peak as allocated, which
+    the profiler reads on a CPU; what the heap keeps resident beside it is predicted for the budget and
+    shown, not held to this (it moved from 42% under to 36% over with what the heap already held)."""
     import nodes
 
     model = comfy_host.load_checkpoint()[0]
@@ -110,10 +115,11 @@ def test_the_record_sets_the_measured_step_peak_beside_the_prediction(comfy_host
     positive, negative = comfy_host._conds
     nodes.common_ksampler(auto, 1, 3, 7.0, "euler", "normal", positive, negative, {"samples": torch.zeros(1, 4, 32, 32)})
     entry = only_stack(comfy_host, auto)
-    assert entry.predicted_working > 16 * 2**20, entry.predicted_working
-    assert entry.measured_working is not None, "the peak RSS cannot be reset on this machine"
+    predicted, measured = entry.predicted.allocated_bytes, entry.measured_allocated
+    assert predicted > 16 * 2**20, predicted
+    assert abs(measured / predicted - 1) <= PLANNER_TOLERANCE, (measured, predicted)
     note = auto_record(comfy_host, prompt_context)["note"]
-    assert f"measured {entry.measured_working / 2**20:,.0f} MiB (" in note and "against the prediction" in note, note
+    assert f"measured {measured / 2**20:,.0f} MiB allocated (" in note and "against the prediction" in note, note
 
 
 @torch.inference_mode()

@@ -107,6 +107,22 @@ def test_peak_rss_growth_counts_what_the_function_touches_and_not_what_came_befo
     assert peak >= growth
 
 
+def test_allocated_growth_is_the_peak_held_above_the_start_not_what_came_before():
+    before = torch.ones(64 * MIB // 4)
+
+    def work():
+        a = torch.ones(8 * MIB // 4)
+        b = a + 1  # 16 MiB held here
+        del a
+        c = b * 2  # 16 MiB again
+        return float(c[0])
+
+    result, peak = profiler.allocated_growth("cpu", work)
+    assert result == 4.0
+    assert peak == pytest.approx(16 * MIB, abs=64 * 1024)
+    del before
+
+
 def test_records_filed_in_a_run_replace_per_node_and_leave_the_seed():
     seed = [{"node": "SDOptAttention", "requested": "auto", "active": "pending", "note": ""}]
     run = SamplingRun("r", "cpu", seed)

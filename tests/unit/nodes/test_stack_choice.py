@@ -23,7 +23,8 @@ def predictions(plain: int, low_memory: int, inputs: int = MIB):
 
     def predict(stack):
         asked.append(stack.name)
-        return StepPrediction(low_memory if stack.low_memory else plain, inputs)
+        working = low_memory if stack.low_memory else plain
+        return StepPrediction(working, inputs, working)
 
     return predict, asked
 
@@ -89,7 +90,7 @@ def test_nothing_fits_runs_the_least_memory_stack_and_says_so():
 
 def test_balanced_keeps_the_planner_tolerance_free():
     predict, _ = predictions(plain=GIB, low_memory=GIB // 4)
-    fast_need = need_bytes(choose_stack(LARGE_GPU, "fastest", False, predict).stack, StepPrediction(GIB, MIB), LARGE_GPU)
+    fast_need = need_bytes(choose_stack(LARGE_GPU, "fastest", False, predict).stack, StepPrediction(GIB, MIB, GIB), LARGE_GPU)
     just_fits = dataclasses.replace(LARGE_GPU, budget_bytes=fast_need)
     assert nodes_of(choose_stack(just_fits, "fastest", False, predict))[-1] == "SDOptCUDAGraph"
     assert "SDOptLowMemory" in nodes_of(choose_stack(just_fits, "balanced", False, predict))
