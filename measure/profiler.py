@@ -58,11 +58,12 @@ def peak_rss_growth(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     return result, peak, peak - before
 
 
-def allocated_growth(device: torch.device | str, fn: Callable[[], Any]) -> tuple[Any, int]:
+def allocated_growth(device: torch.device | str, fn: Callable[[], Any]) -> tuple[Any, int | None]:
     """Run ``fn``: its result, and the most bytes its allocations held at once above what was allocated at
     its start. On CUDA the caching allocator's peak; elsewhere every allocation and free that PyTorch's CPU
     allocator saw (its tensors and the kernels' scratch, oneDNN's reorders included), from the profiler's
-    memory events in the order they happened: what the tensors took, before the heap keeps any of it."""
+    memory events in the order they happened: what the tensors took, before the heap keeps any of it.
+    None on a CPU while a profiler already runs (sdopt's step profile, the user's): one cannot nest."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -71,6 +72,8 @@ def allocated_growth(device: torch.device | str, fn: Callable[[], Any]) -> tuple
         result = fn()
         torch.cuda.synchronize(device)
         return result, torch.cuda.max_memory_allocated(device) - before
+    if torch.autograd.profiler._is_profiler_enabled:
+        return fn(), None
     # Kineto logs a line per profile at its default level.
     os.environ.setdefault("KINETO_LOG_LEVEL", "9")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:

@@ -123,6 +123,13 @@ def test_allocated_growth_is_the_peak_held_above_the_start_not_what_came_before(
     del before
 
 
+def test_allocated_growth_runs_the_call_unmeasured_inside_another_profile():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as outer:
+        result, peak = profiler.allocated_growth("cpu", lambda: float(torch.ones(4).sum()))
+    assert (result, peak) == (4.0, None)
+    assert any(event.key == "aten::ones" for event in outer.key_averages()), "the outer profile was spoilt"
+
+
 def test_records_filed_in_a_run_replace_per_node_and_leave_the_seed():
     seed = [{"node": "SDOptAttention", "requested": "auto", "active": "pending", "note": ""}]
     run = SamplingRun("r", "cpu", seed)
