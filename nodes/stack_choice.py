@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..measure.memory_model import PLANNER_TOLERANCE
+from ..optim.step_cache import StepCacheConfig
 
 GOALS = ("fastest", "balanced", "fit")
 MIB = 2**20
@@ -98,11 +99,11 @@ SDPA_ATTENTION = _step("SDOptAttention", "Attention(sdpa)", backend="sdpa", on_u
 
 
 def _cache(facts: DeviceFacts) -> NodeStep:
-    if facts.cache_mode == "first_block":
-        return _step("SDOptStepCache", "Step Cache(first_block, 0.08)", mode="first_block", interval=3, branch=0, start=0.0,
-                     end=1.0, on_unavailable="fallback", threshold=0.08)
-    return _step("SDOptStepCache", "Step Cache(deepcache, interval 3)", mode="deepcache", interval=3, branch=0, start=0.0,
-                 end=1.0, on_unavailable="fallback", threshold=0.08)
+    """Step Cache at its defaults, in the mode that fits the model."""
+    interval, threshold = StepCacheConfig.interval, StepCacheConfig.threshold
+    label = f"first_block, {threshold:g}" if facts.cache_mode == "first_block" else f"deepcache, interval {interval}"
+    return _step("SDOptStepCache", f"Step Cache({label})", mode=facts.cache_mode, interval=interval, branch=0, start=0.0,
+                 end=1.0, on_unavailable="fallback", threshold=threshold)
 
 
 def _compile(mode: str = "compile") -> NodeStep:

@@ -100,7 +100,7 @@ class SDOptStepCache(PatchNode):
     def inputs(cls):
         return {
             "mode": (list(MODES), {"default": MODES[0], "tooltip": "deepcache: UNets (SD1.5, SDXL). first_block: diffusion transformers (SD3.5, Flux)."}),
-            "interval": ("INT", {"default": 3, "min": 1, "max": 10, "tooltip": "deepcache: the whole UNet runs every this many model calls; 1 caches nothing."}),
+            "interval": ("INT", {"default": StepCacheConfig.interval, "min": 1, "max": 10, "tooltip": "deepcache: the whole UNet runs every this many model calls; 1 caches nothing."}),
             "branch": ("INT", {"default": 0, "min": 0, "max": 11, "tooltip": "deepcache: how many skip levels still run on a cached call, minus one: 0 runs only the outermost blocks (fastest)."}),
             "start": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls before this fraction of the schedule run the whole model."}),
             "end": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": "Calls from this fraction of the schedule on run the whole model."}),
@@ -110,12 +110,12 @@ class SDOptStepCache(PatchNode):
     @classmethod
     def optional_inputs(cls):
         return {
-            "threshold": ("FLOAT", {"default": 0.08, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
+            "threshold": ("FLOAT", {"default": StepCacheConfig.threshold, "min": 0.0, "max": 1.0, "step": 0.01, "tooltip": (
                 "first_block: the largest relative change of the first block's output that still skips the rest; "
                 "higher is faster and further from uncached, 0 caches nothing.")}),
         }
 
-    def patch(self, model, mode, interval, branch, start, end, on_unavailable, threshold=0.08):
+    def patch(self, model, mode, interval, branch, start, end, on_unavailable, threshold=StepCacheConfig.threshold):
         config = StepCacheConfig(mode, interval, branch, start, end, threshold)
         requested = f"{config.settings()}, on_unavailable={on_unavailable}"
         unet = model.model.diffusion_model
