@@ -57,7 +57,7 @@ class QualityRow:
         return asdict(self)
 
 
-def _image_distance(images: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+def image_distance(images: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
     """Mean PSNR (dB) and SSIM of each image against the reference image of the same seed."""
     try:
         from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
@@ -134,7 +134,7 @@ def _rung_models(host, base, transformer: bool, on_cpu: bool) -> dict:
 def _row(rung: str, nodes: str, pairs, images, seconds: float, calls: float | None, reference, stock_seconds: float | None,
          **extra) -> QualityRow:
     accuracy = caption_accuracy(images, pairs)
-    psnr, ssim = _image_distance(images, reference) if reference is not None else (None, None)
+    psnr, ssim = image_distance(images, reference) if reference is not None else (None, None)
     per_image = seconds / len(pairs)
     return QualityRow(rung, nodes, len(pairs), per_image, (stock_seconds / per_image) if stock_seconds else 1.0,
                       None if calls is None else calls / len(pairs), accuracy["shape_colour"], accuracy["all"], psnr, ssim, **extra)

@@ -13,7 +13,8 @@ from sdopt.families import MODEL_NAMES, UNET_PREFIX, checkpoint_config, family_o
 from sdopt.tools.modelgen import ensure_checkpoint
 from sdopt.tools.modelgen.trained import load_trained
 from sdopt.tools.reference.classifier import renders
-from sdopt.tools.reference.evaluate import caption_accuracy, evaluation_set, sample_images
+from sdopt.tools.bench_quality import ModelCallCounter, image_distance
+from sdopt.tools.reference.evaluate import Sampling, caption_accuracy, evaluation_set, sample_images
 from sdopt.tools.reference.scenes import all_scenes
 
 REFERENCE_MODELS = [name for name in MODEL_NAMES if checkpoint_config(name).trained]
@@ -68,3 +69,24 @@ def test_ref_sd15_draws_its_captions_colours_stock_and_through_step_cache_at_its
         accuracy = caption_accuracy(sample_images(patched, clip, vae, pairs), pairs)
         assert accuracy["colour"] >= 0.9 and accuracy["background"] >= 0.9, accuracy
         assert accuracy["shape_colour"] >= 0.5, accuracy
+
+
+@torch.inference_mode()
+def test_first_block_cache_at_its_defaults_skips_a_third_of_ref_sd35s_calls_and_keeps_its_images(comfy_host):
+    """The trained MMDiT, where First Block Cache's threshold means something (on random weights it skipped
+    nothing): 16 pairs at the reference settings, counted as bench quality counts model calls."""
+    _, (model, clip, vae) = _load(comfy_host, "ref-sd35")
+    cache = comfy_host.nodes["SDOptStepCache"]()
+    values = _defaults(cache)
+    values[0] = "first_block"
+    cached = cache.patch(model, *values)[0]
+    pairs = evaluation_set(16)
+    stock = sample_images(model, clip, vae, pairs)
+    with ModelCallCounter(cached.model.diffusion_model) as counter:
+        images = sample_images(cached, clip, vae, pairs)
+    calls = counter.calls / len(pairs)
+    assert calls <= 0.7 * Sampling().steps, f"{calls:.1f} model calls per image of {Sampling().steps}"
+    psnr, _ = image_distance(images, stock)
+    assert psnr >= 25.0, psnr
+    read_stock, read_cached = caption_accuracy(stock, pairs), caption_accuracy(images, pairs)
+    assert read_cached["colour"] >= read_stock["colour"] - 2 / len(pairs), (read_stock, read_cached)

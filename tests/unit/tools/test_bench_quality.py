@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdopt.tools.bench_quality import ModelCallCounter, QualityRow, _image_distance, quality_table
+from sdopt.tools.bench_quality import ModelCallCounter, QualityRow, image_distance, quality_table
 
 
 class TwoParts(torch.nn.Module):
@@ -33,11 +33,11 @@ def test_a_whole_call_counts_one_and_a_partial_call_its_share_of_the_parameters(
 def test_psnr_and_ssim_of_an_image_against_itself_and_against_a_noisier_copy():
     generator = torch.Generator().manual_seed(0)
     reference = torch.rand(2, 64, 64, 3, generator=generator)
-    assert _image_distance(reference, reference) == pytest.approx((100.0, 1.0))
+    assert image_distance(reference, reference) == pytest.approx((100.0, 1.0))
     slightly = (reference + 0.01 * torch.randn(reference.shape, generator=generator)).clamp(0, 1)
     more = (reference + 0.1 * torch.randn(reference.shape, generator=generator)).clamp(0, 1)
-    psnr_slight, ssim_slight = _image_distance(slightly, reference)
-    psnr_more, ssim_more = _image_distance(more, reference)
+    psnr_slight, ssim_slight = image_distance(slightly, reference)
+    psnr_more, ssim_more = image_distance(more, reference)
     assert psnr_slight == pytest.approx(40.0, abs=1.0)  # noise of std 0.01 on a range of 1: 40 dB
     assert psnr_more < psnr_slight and ssim_more < ssim_slight < 1.0
 
