@@ -66,12 +66,11 @@ def allocated_growth(device: torch.device | str, fn: Callable[[], Any]) -> tuple
     None on a CPU while a profiler already runs (sdopt's step profile, the user's): one cannot nest."""
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        memory = PeakMemory(device)
+        memory.reset()
         before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
         result = fn()
-        torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - before
+        return result, memory.read().peak_bytes - before
     if torch.autograd.profiler._is_profiler_enabled:
         return fn(), None
     # Kineto logs a line per profile at its default level.

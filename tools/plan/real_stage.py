@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ...measure.profiler import PeakMemory, peak_rss_growth
+from ...measure.profiler import allocated_growth, peak_rss_growth
 from ...optim.heap_trim import trim_heap
 from ...optim.precision import DTYPES
 from ..fresh_process import serve_child
@@ -42,19 +42,15 @@ def _allocated_growth(fn, device: torch.device, cap_bytes: int | None = None) ->
     """Bytes ``fn()`` adds at its peak to what torch's CUDA allocator had handed out before it; with
     ``cap_bytes``, PyTorch may reserve only that much more than it holds now, and None means
     ``fn`` ran out of memory within it."""
-    memory = PeakMemory(device)
     torch.cuda.empty_cache()
     if cap_bytes is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         index = device.index if device.index is not None else torch.cuda.current_device()  # it takes no bare "cuda"
         torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(device) + cap_bytes) / total), index)
-    memory.reset()
-    before = torch.cuda.memory_allocated(device)
     try:
-        fn()
+        return allocated_growth(device, fn)[1]
     except torch.OutOfMemoryError:
         return None
-    return memory.read().peak_bytes - before
 
 
 def _measure_here(spec: dict) -> dict:
